@@ -1,0 +1,100 @@
+"""Endpoint identity and live state, shared by discovery, scraping, accounting and scheduling.
+
+Invariants:
+- An :class:`Endpoint` is immutable and hashable; its ``key`` (``"ip:port"``) is unique in a pool.
+- ``EndpointState.in_flight_requests`` and ``in_flight_tokens`` are never negative; only
+  :mod:`picker.accounting` changes them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One routable serving port (one vLLM API server, or one data-parallel rank of it)."""
+
+    address: str
+    port: int
+    name: str = ""
+    """Pod name (Kubernetes) or a free-form label; informational only."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.address}:{self.port}"
+
+    @classmethod
+    def parse(cls, hostport: str, name: str = "") -> Endpoint:
+        host, sep, port = hostport.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"endpoint {hostport!r} is not ip:port")
+        return cls(address=host.strip("[]"), port=int(port), name=name)
+
+
+class Health(enum.Enum):
+    UNKNOWN = "unknown"  # discovered, never scraped yet: routable, with default metrics
+    READY = "ready"
+    DEGRADED = "degraded"  # metrics stale: still routable, scored on stale data
+    UNREACHABLE = "unreachable"  # scrape failed repeatedly: not routable
+
+
+@dataclass(slots=True)
+class EndpointMetrics:
+    """What the scraper last read from the replica's ``/metrics`` (vLLM names, DESIGN §4)."""
+
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0  # 0..1
+    block_size: int | None = None  # tokens per KV block
+    num_gpu_blocks: int | None = None
+    running_loras: frozenset[str] = frozenset()
+    waiting_loras: frozenset[str] = frozenset()
+    max_lora: int = 0
+    prefix_queries_total: float = 0.0
+    prefix_hits_total: float = 0.0
+    updated_at: float = 0.0  # time.monotonic() of the last successful scrape
+
+
+@dataclass(slots=True, eq=False)
+class EndpointState:
+    """Live state of one endpoint, owned by the :class:`~picker.endpoints.pool.Pool`."""
+
+    endpoint: Endpoint
+    metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
+    health: Health = Health.UNKNOWN
+    in_flight_requests: int = 0
+    in_flight_tokens: int = 0
+    pending_prefill_tokens: int = 0
+    """Estimated uncached prompt tokens of requests sent here that have not produced a first byte."""
+    prefill_rate: float = 0.0
+    """Observed prefill throughput in tokens/s (EWMA); 0 means no observation yet."""
+    added_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def key(self) -> str:
+        return self.endpoint.key
+
+    @property
+    def routable(self) -> bool:
+        return self.health is not Health.UNREACHABLE
+
+
+class EndpointSink(Protocol):
+    """Receives the full current endpoint set from a provider (level-triggered, idempotent)."""
+
+    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None: ...
+
+
+class EndpointProvider(Protocol):
+    """Discovery source (static list/file, Kubernetes, ...).
+
+    ``run`` pushes the complete set to ``sink`` whenever it changes and returns only when
+    cancelled. Scheduling never sees providers: it reads the pool.
+    """
+
+    async def run(self, sink: EndpointSink) -> None: ...
