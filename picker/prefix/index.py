@@ -1,0 +1,111 @@
+"""Approximate prefix index: which endpoint has recently been sent which blocks.
+
+Each endpoint has a bounded, segmented LRU of block hashes:
+
+- ``gens`` is a list of ``segments`` dicts, newest last. A recorded or matched block is moved
+  into the newest segment. When the newest segment holds ``capacity // segments`` blocks, the
+  oldest segment is dropped whole and a new one is opened.
+- Invariant (asserted): an endpoint never holds more than ``capacity`` blocks. At least the most
+  recent ``capacity * (segments - 1) / segments`` distinct blocks are always retained: exact LRU at
+  segment granularity.
+- Why not ``OrderedDict``: measured 141 B per entry against about 88 B for a plain dict with
+  60-bit int keys; ``python -m bench.picker`` reports the index's bytes per entry.
+
+Lookups walk the chained hashes from the first block and stop at the first miss, so a match
+length ``k`` means "the first ``k`` blocks were sent to this endpoint".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class EndpointLRU:
+    __slots__ = ("capacity", "gens", "seg_cap")
+
+    def __init__(self, capacity: int, segments: int = 4) -> None:
+        assert capacity >= segments >= 2, f"need capacity >= segments >= 2, got {capacity}, {segments}"
+        self.capacity = capacity
+        self.seg_cap = capacity // segments
+        self.gens: list[dict[int, None]] = [{} for _ in range(segments)]
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self.gens)
+
+    def __contains__(self, h: int) -> bool:
+        return any(h in g for g in reversed(self.gens))
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """Number of leading ``hashes`` present (stops at the first miss)."""
+        gens = self.gens
+        newest = gens[-1]
+        n = 0
+        for h in hashes:
+            if h in newest or any(h in g for g in gens):
+                n += 1
+            else:
+                break
+        return n
+
+    def record(self, hashes: Iterable[int]) -> None:
+        """Insert or refresh ``hashes`` as most recently used."""
+        gens = self.gens
+        for h in hashes:
+            newest = gens[-1]
+            if h in newest:
+                continue
+            for g in gens[:-1]:
+                if g.pop(h, 0) is None:
+                    break
+            newest[h] = None
+            if len(newest) >= self.seg_cap:
+                gens.pop(0)
+                gens.append({})
+        assert len(self) <= self.capacity, f"LRU holds {len(self)} blocks > capacity {self.capacity}"
+
+    def resize(self, capacity: int) -> None:
+        """Change the capacity; drops the oldest segments if they no longer fit."""
+        segments = len(self.gens)
+        self.capacity = max(capacity, segments)
+        self.seg_cap = self.capacity // segments
+        while len(self) > self.capacity:
+            self.gens.pop(0)
+            self.gens.append({})
+
+
+class PrefixIndex:
+    """Per-endpoint LRUs keyed by endpoint key (``"ip:port"``)."""
+
+    def __init__(self, default_capacity: int, segments: int = 4) -> None:
+        self.default_capacity = default_capacity
+        self.segments = segments
+        self._lrus: dict[str, EndpointLRU] = {}
+
+    def match(self, key: str, hashes: Sequence[int]) -> int:
+        lru = self._lrus.get(key)
+        return lru.match(hashes) if lru is not None else 0
+
+    def record(self, key: str, hashes: Sequence[int]) -> None:
+        lru = self._lrus.get(key)
+        if lru is None:
+            lru = self._lrus[key] = EndpointLRU(self.default_capacity, self.segments)
+        lru.record(hashes)
+
+    def set_capacity(self, key: str, capacity: int) -> None:
+        lru = self._lrus.get(key)
+        if lru is None:
+            self._lrus[key] = EndpointLRU(max(capacity, self.segments), self.segments)
+        elif lru.capacity != capacity:
+            lru.resize(capacity)
+
+    def remove(self, key: str) -> None:
+        self._lrus.pop(key, None)
+
+    def size(self, key: str | None = None) -> int:
+        if key is not None:
+            lru = self._lrus.get(key)
+            return len(lru) if lru is not None else 0
+        return sum(len(lru) for lru in self._lrus.values())
+
+    def keys(self) -> list[str]:
+        return list(self._lrus)

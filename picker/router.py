@@ -1,0 +1,173 @@
+"""The protocol-free core of the hot path: request → prefix match → scheduling → accounting.
+
+The ext_proc server and the simulator's cluster mode both drive a :class:`Router`:
+
+    decision = router.route(req)          # may raise PickerError subclasses
+    ticket = router.start(decision)       # request sent: index records the pick, in-flight += 1
+    router.first_token(ticket)            # first response byte: prefill done, rate observed
+    router.finish(ticket)                 # end, error, reset or disconnect; idempotent
+
+Invariant: every ``start`` is matched by exactly one effective ``finish`` (later calls are
+no-ops), so in-flight counters return to zero when traffic stops.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from picker.config import RouterConfig, build_profile
+from picker.endpoints.pool import Pool
+from picker.endpoints.types import EndpointState
+from picker.errors import NoEndpoints
+from picker.prefix.hashing import block_hashes, seed_for
+from picker.prefix.index import PrefixIndex
+from picker.request import InferenceRequest
+from picker.scheduling.cost import CostScorer
+from picker.scheduling.profile import PluginTimer, Profile, Result
+from picker.scheduling.types import Cycle
+
+
+@dataclass(slots=True)
+class Decision:
+    cycle: Cycle
+    result: Result
+    hashes: list[int]
+
+    @property
+    def primary(self) -> EndpointState:
+        return self.result.chosen[0]
+
+    @property
+    def chosen(self) -> list[EndpointState]:
+        return self.result.chosen
+
+
+@dataclass(slots=True)
+class Ticket:
+    state: EndpointState
+    prompt_tokens: int
+    uncached_tokens: int
+    queued_tokens: int
+    started: float
+    first_token_at: float = 0.0
+    done: bool = False
+    matched_blocks: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Router:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        pool: Pool,
+        clock: Callable[[], float] = time.monotonic,
+        plugin_timer: PluginTimer | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.clock = clock
+        self.index = PrefixIndex(cfg.index.capacity_blocks, cfg.index.segments)
+        self.profiles: dict[str, Profile] = {n: build_profile(n, s) for n, s in cfg.profiles.items()}
+        for p in self.profiles.values():
+            p.timer = plugin_timer
+        self.profile = self.profiles[cfg.policy]
+        self._block_tokens = cfg.hashing.block_size / cfg.index.chars_per_token
+        pool.on_remove(lambda s: self.index.remove(s.key))
+
+    def cycle(self, req: InferenceRequest, candidates: list[EndpointState]) -> tuple[Cycle, list[int]]:
+        text = req.routing_text.encode()
+        hashes = block_hashes(text, seed_for(req.model, req.lora, req.cache_salt), self.cfg.hashing)
+        if req.prompt_token_ids is not None:
+            prompt_tokens = len(req.prompt_token_ids)
+        else:
+            prompt_tokens = max(1, int(len(text) / self.cfg.index.chars_per_token))
+        matches = {e.key: self.index.match(e.key, hashes) for e in candidates}
+        block_tokens = prompt_tokens / len(hashes) if req.prompt_token_ids is not None and hashes else self._block_tokens
+        cyc = Cycle(req, prompt_tokens, block_tokens, len(hashes), matches, self.clock())
+        return cyc, hashes
+
+    def route(self, req: InferenceRequest, policy: str | None = None) -> Decision:
+        candidates = self.pool.routable()
+        if not candidates:
+            raise NoEndpoints("no ready endpoint in the pool")
+        cyc, hashes = self.cycle(req, candidates)
+        profile = self.profiles[policy] if policy else self.profile
+        result = profile.run(cyc, candidates, 1 + self.cfg.fallbacks)
+        return Decision(cyc, result, hashes)
+
+    def start(self, decision: Decision) -> Ticket:
+        state = decision.primary
+        cyc = decision.cycle
+        self.index.record(state.key, decision.hashes)
+        uncached = cyc.prompt_tokens - cyc.cached_tokens(state.key)
+        ticket = Ticket(state, cyc.prompt_tokens, uncached, state.pending_prefill_tokens, self.clock(),
+                        matched_blocks=cyc.matches.get(state.key, 0))
+        state.in_flight_requests += 1
+        state.in_flight_tokens += cyc.prompt_tokens
+        state.pending_prefill_tokens += uncached
+        return ticket
+
+    def first_token(self, ticket: Ticket) -> None:
+        if ticket.done or ticket.first_token_at:
+            return
+        now = self.clock()
+        ticket.first_token_at = now
+        state = ticket.state
+        state.pending_prefill_tokens = max(0, state.pending_prefill_tokens - ticket.uncached_tokens)
+        elapsed = now - ticket.started
+        work = ticket.uncached_tokens + ticket.queued_tokens
+        if elapsed > 0 and work >= 256:  # short prefills are dominated by fixed overheads
+            observed = work / elapsed
+            a = self.cfg.rate_ewma_alpha
+            state.prefill_rate = observed if state.prefill_rate <= 0 else (1 - a) * state.prefill_rate + a * observed
+
+    def finish(self, ticket: Ticket) -> None:
+        if ticket.done:
+            return
+        ticket.done = True
+        state = ticket.state
+        if not ticket.first_token_at:
+            state.pending_prefill_tokens = max(0, state.pending_prefill_tokens - ticket.uncached_tokens)
+        state.in_flight_requests -= 1
+        state.in_flight_tokens -= ticket.prompt_tokens
+        assert state.in_flight_requests >= 0, f"{state.key}: in-flight requests went negative"
+        assert state.in_flight_tokens >= 0, f"{state.key}: in-flight tokens went negative"
+
+    def refresh_capacity(self, state: EndpointState) -> None:
+        """Size the endpoint's LRU from its ``vllm:cache_config_info`` (KV blocks × block tokens)."""
+        m = state.metrics
+        if not (self.cfg.index.derive_capacity and m.block_size and m.num_gpu_blocks):
+            return
+        tokens = m.block_size * m.num_gpu_blocks
+        blocks = int(tokens * self.cfg.index.chars_per_token / self.cfg.hashing.block_size)
+        self.index.set_capacity(state.key, max(blocks, self.cfg.index.segments))
+
+    def explain(self, req: InferenceRequest, policy: str | None = None) -> dict[str, object]:
+        """Per-endpoint scores and TTFT estimates for ``req``, without sending it anywhere."""
+        decision = self.route(req, policy)
+        cyc = decision.cycle
+        cost = self.profile.scorer("cost") or CostScorer()
+        assert isinstance(cost, CostScorer)
+        candidates = self.pool.routable()
+        return {
+            "policy": policy or self.profile.name,
+            "prompt_tokens_est": cyc.prompt_tokens,
+            "blocks": cyc.n_blocks,
+            "chosen": [e.key for e in decision.chosen],
+            "endpoints": {
+                e.key: {
+                    "matched_blocks": cyc.matches.get(e.key, 0),
+                    "cached_tokens_est": cyc.cached_tokens(e.key),
+                    "ttft_estimate_s": round(cost.estimate(cyc, e), 6),
+                    "score": decision.result.scores.get(e.key),
+                    "scores": {n: s.get(e.key) for n, s in decision.result.per_scorer.items()},
+                    "health": e.health.value,
+                    "in_flight_requests": e.in_flight_requests,
+                    "waiting": e.metrics.waiting,
+                    "kv_usage": e.metrics.kv_usage,
+                }
+                for e in candidates
+            },
+        }

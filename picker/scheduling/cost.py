@@ -1,0 +1,47 @@
+"""The ``cost`` scorer: estimated time to first token (TTFT) on each endpoint.
+
+    ttft(e) = (queued(e) + uncached(e)) / rate(e) + running(e) * decode_step_s + overhead_s
+
+- ``uncached(e)``: the request's prompt tokens minus those the prefix index says ``e`` holds.
+- ``queued(e)``: prefill work ahead of the request: the larger of the uncached tokens we sent to
+  ``e`` that have not produced a first byte yet, and the scraped waiting queue times
+  ``tokens_per_waiting``.
+- ``rate(e)``: the prefill rate (tokens/s) observed on ``e`` (an EWMA fed by the router from
+  uncached tokens ÷ measured TTFT); ``default_rate`` until observed.
+- ``running(e) * decode_step_s``: running decodes share each engine step with the prefill.
+
+The score is ``min_ttft / ttft(e)``: 1 for the cheapest endpoint, smaller for the rest, so the
+max-score picker picks the minimum estimate. :meth:`estimates` is what the explain API shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from picker.endpoints.types import EndpointState
+from picker.scheduling.types import Cycle
+
+
+@dataclass
+class CostScorer:
+    default_rate: float = 10_000.0
+    """Prefill tokens/s assumed before an endpoint's rate has been observed."""
+    tokens_per_waiting: float = 512.0
+    decode_step_s: float = 0.0005
+    overhead_s: float = 0.005
+
+    def estimate(self, cycle: Cycle, e: EndpointState) -> float:
+        uncached = cycle.prompt_tokens - cycle.cached_tokens(e.key)
+        queued = max(float(e.pending_prefill_tokens), e.metrics.waiting * self.tokens_per_waiting)
+        rate = e.prefill_rate if e.prefill_rate > 0 else self.default_rate
+        running = max(e.metrics.running, float(e.in_flight_requests))
+        return (queued + uncached) / rate + running * self.decode_step_s + self.overhead_s
+
+    def estimates(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
+        return {e.key: self.estimate(cycle, e) for e in endpoints}
+
+    def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
+        est = self.estimates(cycle, endpoints)
+        best = min(est.values())
+        return {k: best / v for k, v in est.items()}

@@ -1,0 +1,69 @@
+"""Filters: narrow the candidates. A filter returns a sub-list of its input, order kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from picker.endpoints.types import EndpointState
+from picker.errors import Overloaded
+from picker.scheduling.types import Cycle
+
+
+@dataclass
+class ReadyFilter:
+    """Keeps routable endpoints (not UNREACHABLE)."""
+
+    def filter(self, cycle: Cycle, endpoints: list[EndpointState]) -> list[EndpointState]:
+        return [e for e in endpoints if e.routable]
+
+
+@dataclass
+class NotSaturatedFilter:
+    """Drops saturated endpoints: a waiting queue at ``max_waiting`` or more, or KV usage at
+    ``max_kv_usage`` or more while requests already wait.
+
+    When every endpoint is saturated the request is shed with 429 if ``shed`` is true; otherwise
+    all candidates are kept (saturation then only shows in the scores).
+    """
+
+    max_waiting: int = 64
+    max_kv_usage: float = 0.98
+    shed: bool = True
+
+    def saturated(self, e: EndpointState) -> bool:
+        m = e.metrics
+        return m.waiting >= self.max_waiting or (m.kv_usage >= self.max_kv_usage and m.waiting > 0)
+
+    def filter(self, cycle: Cycle, endpoints: list[EndpointState]) -> list[EndpointState]:
+        kept = [e for e in endpoints if not self.saturated(e)]
+        if kept or not endpoints:
+            return kept
+        if self.shed:
+            raise Overloaded(f"all {len(endpoints)} endpoints are saturated")
+        return endpoints
+
+
+@dataclass
+class LoadGuardFilter:
+    """Stops one hot prefix from piling traffic onto one endpoint.
+
+    Keeps endpoints whose load (our in-flight requests, or the scraped running + waiting count,
+    whichever is larger) is at most ``max(min_load * rel, min_load + abs_slack)``, where
+    ``min_load`` is the least-loaded candidate's. The hot endpoint stays eligible until it is
+    clearly busier than the rest; then the prefix spills to another endpoint, which caches it too.
+    """
+
+    rel: float = 1.5
+    abs_slack: int = 8
+
+    @staticmethod
+    def load(e: EndpointState) -> float:
+        return max(float(e.in_flight_requests), e.metrics.running + e.metrics.waiting)
+
+    def filter(self, cycle: Cycle, endpoints: list[EndpointState]) -> list[EndpointState]:
+        if len(endpoints) < 2:
+            return endpoints
+        loads = [self.load(e) for e in endpoints]
+        least = min(loads)
+        limit = max(least * self.rel, least + self.abs_slack)
+        return [e for e, load in zip(endpoints, loads, strict=True) if load <= limit]

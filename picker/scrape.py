@@ -1,0 +1,153 @@
+"""Polls each endpoint's vLLM ``/metrics`` and updates its state and health.
+
+Only the few families the picker reads are kept (a cheap line prefilter) before handing the text
+to prometheus_client's parser, so scraping 64 endpoints every 200 ms stays light on the loop.
+
+Health rules:
+- a successful scrape → READY;
+- no successful scrape for ``stale_after_s`` → DEGRADED (still routable);
+- ``unreachable_after`` consecutive failures → UNREACHABLE (not routable) until one succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from picker.config import ScrapeConfig
+from picker.endpoints.pool import Pool
+from picker.endpoints.types import EndpointMetrics, EndpointState, Health
+
+log = logging.getLogger(__name__)
+
+WANTED = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:cache_config_info",
+    "vllm:lora_requests_info",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+)
+_PREFIXES = tuple(WANTED) + tuple(f"# TYPE {n}" for n in WANTED) + tuple(f"# HELP {n}" for n in WANTED)
+
+
+def prefilter(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if line.startswith(_PREFIXES))
+
+
+def _loras(value: str) -> frozenset[str]:
+    return frozenset(x for x in value.split(",") if x)
+
+
+def parse_metrics(text: str, now: float) -> EndpointMetrics:
+    """vLLM ``/metrics`` text → :class:`EndpointMetrics`. Sums over engines (DP ranks)."""
+    m = EndpointMetrics(updated_at=now)
+    kv: list[float] = []
+    lora_ts = -1.0
+    for fam in text_string_to_metric_families(prefilter(text)):
+        for s in fam.samples:
+            name = s.name
+            if name == "vllm:num_requests_running":
+                m.running += s.value
+            elif name == "vllm:num_requests_waiting":
+                m.waiting += s.value
+            elif name == "vllm:kv_cache_usage_perc":
+                kv.append(s.value)
+            elif name == "vllm:cache_config_info":
+                bs, nb = s.labels.get("block_size", ""), s.labels.get("num_gpu_blocks", "")
+                m.block_size = int(bs) if bs.isdigit() else m.block_size
+                m.num_gpu_blocks = int(nb) if nb.isdigit() else m.num_gpu_blocks
+            elif name == "vllm:lora_requests_info" and s.value >= lora_ts:
+                lora_ts = s.value  # the gauge's value is a timestamp: keep the newest sample
+                m.running_loras = _loras(s.labels.get("running_lora_adapters", ""))
+                m.waiting_loras = _loras(s.labels.get("waiting_lora_adapters", ""))
+                ml = s.labels.get("max_lora", "0")
+                m.max_lora = int(ml) if ml.isdigit() else 0
+            elif name == "vllm:prefix_cache_queries_total":
+                m.prefix_queries_total += s.value
+            elif name == "vllm:prefix_cache_hits_total":
+                m.prefix_hits_total += s.value
+    if kv:
+        m.kv_usage = sum(kv) / len(kv)
+    return m
+
+
+class Scraper:
+    """One polling task per endpoint, started and stopped with the pool's membership."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        cfg: ScrapeConfig,
+        on_update: Callable[[EndpointState], None] = lambda s: None,
+        on_error: Callable[[EndpointState, str], None] = lambda s, why: None,
+    ) -> None:
+        self.pool, self.cfg = pool, cfg
+        self.on_update, self.on_error = on_update, on_error
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._session: aiohttp.ClientSession | None = None
+        pool.on_add(self._start)
+        pool.on_remove(self._stop)
+
+    async def __aenter__(self) -> Scraper:
+        timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        for state in self.pool:
+            self._start(state)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self._session is not None:
+            await self._session.close()
+
+    def _start(self, state: EndpointState) -> None:
+        if self._session is None or state.key in self._tasks:
+            return
+        self._tasks[state.key] = asyncio.get_running_loop().create_task(self._poll(state))
+
+    def _stop(self, state: EndpointState) -> None:
+        task = self._tasks.pop(state.key, None)
+        if task is not None:
+            task.cancel()
+
+    async def scrape_once(self, state: EndpointState) -> None:
+        assert self._session is not None, "Scraper used outside 'async with'"
+        url = f"http://{state.endpoint.address}:{state.endpoint.port}/metrics"
+        async with self._session.get(url) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}")
+            text = await resp.text()
+        state.metrics = parse_metrics(text, time.monotonic())
+        state.health = Health.READY
+
+    async def _poll(self, state: EndpointState) -> None:
+        failures = 0
+        while True:
+            try:
+                await self.scrape_once(state)
+                failures = 0
+                self.on_update(state)
+            except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
+                failures += 1
+                self.on_error(state, type(exc).__name__)
+                if failures >= self.cfg.unreachable_after:
+                    if state.health is not Health.UNREACHABLE:
+                        log.warning("endpoint %s unreachable: %s", state.key, exc)
+                    state.health = Health.UNREACHABLE
+                elif state.health is Health.READY and time.monotonic() - state.metrics.updated_at > self.cfg.stale_after_s:
+                    state.health = Health.DEGRADED
+            await asyncio.sleep(self.cfg.interval_s)

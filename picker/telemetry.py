@@ -1,0 +1,74 @@
+"""The picker's own Prometheus metrics (GIE names where the meaning is the same)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from picker.endpoints.pool import Pool
+from picker.prefix.index import PrefixIndex
+
+_LAT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class Telemetry:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "kvpick_requests", "Requests by decision and outcome", ["decision", "outcome"], registry=r
+        )
+        self.e2e = Histogram(
+            "inference_extension_scheduler_e2e_duration_seconds",
+            "End-to-end scheduling latency (parse, hash, score, pick)",
+            buckets=_LAT_BUCKETS,
+            registry=r,
+        )
+        self.plugin = Histogram(
+            "inference_extension_scheduler_plugin_duration_seconds",
+            "Per-plugin processing latency",
+            ["plugin_type", "plugin_name"],
+            buckets=_LAT_BUCKETS,
+            registry=r,
+        )
+        self.prefix_size = Gauge(
+            "inference_extension_prefix_indexer_size", "Blocks held in the approximate prefix index", registry=r
+        )
+        self.prefix_hit_ratio = Histogram(
+            "inference_extension_prefix_indexer_hit_ratio",
+            "Fraction of a request's prefix blocks found on the chosen endpoint",
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+            registry=r,
+        )
+        self.ready_pods = Gauge("inference_pool_ready_pods", "Routable endpoints in the pool", registry=r)
+        self.in_flight = Gauge("kvpick_endpoint_in_flight_requests", "In-flight requests", ["endpoint"], registry=r)
+        self.in_flight_tokens = Gauge(
+            "kvpick_endpoint_in_flight_tokens", "Prompt tokens of in-flight requests", ["endpoint"], registry=r
+        )
+        self.scrape_errors = Counter(
+            "kvpick_scrape_errors", "Failed /metrics scrapes", ["endpoint", "reason"], registry=r
+        )
+
+    def plugin_timer(self, name: str, seconds: float) -> None:
+        self.plugin.labels("scheduler", name).observe(seconds)
+
+    def refresh(self, pool: Pool, index: PrefixIndex) -> None:
+        """Update the gauges that mirror state (called on each metrics scrape of the picker)."""
+        self.prefix_size.set(index.size())
+        ready = 0
+        live = set()
+        for s in pool:
+            ready += s.routable
+            live.add(s.key)
+            self.in_flight.labels(s.key).set(s.in_flight_requests)
+            self.in_flight_tokens.labels(s.key).set(s.in_flight_tokens)
+        self.ready_pods.set(ready)
+        for gauge in (self.in_flight, self.in_flight_tokens):
+            for labels in list(gauge._metrics):  # drop series of departed endpoints
+                if labels[0] not in live:
+                    gauge.remove(*labels)
+
+    def forget(self, key: str) -> None:
+        for gauge in (self.in_flight, self.in_flight_tokens):
+            try:
+                gauge.remove(key)
+            except KeyError:
+                pass

@@ -1,0 +1,1 @@
+"""kvpick's own gRPC APIs. ``python -m proto`` compiles ``proto/kvpick/**/*.proto`` into ``picker/_proto``."""
