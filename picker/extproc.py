@@ -46,23 +46,28 @@ OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-                                      append_action=OVERWRITE)
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=OVERWRITE
+    )
 
 
 def _headers_map(msg: pb.HttpHeaders) -> dict[str, str]:
-    return {h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
-            for h in msg.headers.headers}
+    return {
+        h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+        for h in msg.headers.headers
+    }
 
 
 def immediate(err: PickerError) -> pb.ProcessingResponse:
     body = orjson.dumps({"error": {"message": err.message, "type": err.kind, "code": err.status}})
-    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=err.status),  # type: ignore[arg-type]
-        headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
-        body=body,
-        details=f"kvpick_{err.kind}",
-    ))
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=err.status),
+            headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
+            body=body,
+            details=f"kvpick_{err.kind}",
+        )
+    )
 
 
 def body_chunks(body: bytes, kind: str) -> Iterator[pb.ProcessingResponse]:
@@ -96,7 +101,9 @@ class Exchange:
     decision_label: str = "none"
 
     # -- request path -------------------------------------------------------------------------
-    def on_request_headers(self, msg: pb.HttpHeaders, cfg: pb.ProtocolConfiguration | None) -> list[pb.ProcessingResponse]:
+    def on_request_headers(
+        self, msg: pb.HttpHeaders, cfg: pb.ProtocolConfiguration | None
+    ) -> list[pb.ProcessingResponse]:
         if cfg is not None and cfg.request_body_mode:
             self.request_mode, self.response_mode = cfg.request_body_mode, cfg.response_body_mode
         self.headers = _headers_map(msg)
@@ -129,13 +136,18 @@ class Exchange:
         new_body = self._pick(body)
         if self.request_mode == FULL_DUPLEX:
             out = new_body if new_body is not None else body
-            return [self._headers_response(len(out) if new_body is not None else None),
-                    *body_chunks(out, "request_body")]
+            return [
+                self._headers_response(len(out) if new_body is not None else None),
+                *body_chunks(out, "request_body"),
+            ]
         common = self._mutation(body_len=len(new_body) if new_body is not None else None)
         if new_body is not None:
             common.body_mutation.body = new_body
-        return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
-                                      dynamic_metadata=self._metadata())]
+        return [
+            pb.ProcessingResponse(
+                request_body=pb.BodyResponse(response=common), dynamic_metadata=self._metadata()
+            )
+        ]
 
     def _pick(self, body: bytes) -> bytes | None:
         """Parse, route and start accounting. Returns a rewritten body, or None if unchanged."""
@@ -170,8 +182,9 @@ class Exchange:
 
     def _headers_response(self, body_len: int | None) -> pb.ProcessingResponse:
         common = self._mutation(body_len)
-        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
-                                     dynamic_metadata=self._metadata())
+        return pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(response=common), dynamic_metadata=self._metadata()
+        )
 
     # -- response path ------------------------------------------------------------------------
     def on_response_headers(self, msg: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
@@ -205,17 +218,19 @@ class Exchange:
 
 
 class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, router: Router, telemetry: Telemetry | None = None,
-                 default_mode: int = FULL_DUPLEX) -> None:
+    def __init__(
+        self, router: Router, telemetry: Telemetry | None = None, default_mode: int = FULL_DUPLEX
+    ) -> None:
         self.router = router
         self.telemetry = telemetry
         self.default_mode = default_mode
 
-    async def Process(  # noqa: N802 (gRPC method name)
+    async def Process(
         self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        ex = Exchange(self.router, self.telemetry, self.router.cfg.max_body_bytes,
-                      self.default_mode, self.default_mode)
+        ex = Exchange(
+            self.router, self.telemetry, self.router.cfg.max_body_bytes, self.default_mode, self.default_mode
+        )
         outcome = "aborted"
         try:
             async for msg in requests:

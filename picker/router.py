@@ -84,7 +84,9 @@ class Router:
         else:
             prompt_tokens = max(1, int(len(text) / self.cfg.index.chars_per_token))
         matches = {e.key: self.index.match(e.key, hashes) for e in candidates}
-        block_tokens = prompt_tokens / len(hashes) if req.prompt_token_ids is not None and hashes else self._block_tokens
+        block_tokens = (
+            prompt_tokens / len(hashes) if req.prompt_token_ids is not None and hashes else self._block_tokens
+        )
         cyc = Cycle(req, prompt_tokens, block_tokens, len(hashes), matches, self.clock())
         return cyc, hashes
 
@@ -102,8 +104,14 @@ class Router:
         cyc = decision.cycle
         self.index.record(state.key, decision.hashes)
         uncached = cyc.prompt_tokens - cyc.cached_tokens(state.key)
-        ticket = Ticket(state, cyc.prompt_tokens, uncached, state.pending_prefill_tokens, self.clock(),
-                        matched_blocks=cyc.matches.get(state.key, 0))
+        ticket = Ticket(
+            state,
+            cyc.prompt_tokens,
+            uncached,
+            state.pending_prefill_tokens,
+            self.clock(),
+            matched_blocks=cyc.matches.get(state.key, 0),
+        )
         state.in_flight_requests += 1
         state.in_flight_tokens += cyc.prompt_tokens
         state.pending_prefill_tokens += uncached
@@ -121,7 +129,9 @@ class Router:
         if elapsed > 0 and work >= 256:  # short prefills are dominated by fixed overheads
             observed = work / elapsed
             a = self.cfg.rate_ewma_alpha
-            state.prefill_rate = observed if state.prefill_rate <= 0 else (1 - a) * state.prefill_rate + a * observed
+            state.prefill_rate = (
+                observed if state.prefill_rate <= 0 else (1 - a) * state.prefill_rate + a * observed
+            )
 
     def finish(self, ticket: Ticket) -> None:
         if ticket.done:

@@ -148,6 +148,9 @@ class Scraper:
                     if state.health is not Health.UNREACHABLE:
                         log.warning("endpoint %s unreachable: %s", state.key, exc)
                     state.health = Health.UNREACHABLE
-                elif state.health is Health.READY and time.monotonic() - state.metrics.updated_at > self.cfg.stale_after_s:
+                elif (
+                    state.health is Health.READY
+                    and time.monotonic() - state.metrics.updated_at > self.cfg.stale_after_s
+                ):
                     state.health = Health.DEGRADED
             await asyncio.sleep(self.cfg.interval_s)

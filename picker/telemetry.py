@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from picker.endpoints.pool import Pool
@@ -30,7 +32,9 @@ class Telemetry:
             registry=r,
         )
         self.prefix_size = Gauge(
-            "inference_extension_prefix_indexer_size", "Blocks held in the approximate prefix index", registry=r
+            "inference_extension_prefix_indexer_size",
+            "Blocks held in the approximate prefix index",
+            registry=r,
         )
         self.prefix_hit_ratio = Histogram(
             "inference_extension_prefix_indexer_hit_ratio",
@@ -39,9 +43,14 @@ class Telemetry:
             registry=r,
         )
         self.ready_pods = Gauge("inference_pool_ready_pods", "Routable endpoints in the pool", registry=r)
-        self.in_flight = Gauge("kvpick_endpoint_in_flight_requests", "In-flight requests", ["endpoint"], registry=r)
+        self.in_flight = Gauge(
+            "kvpick_endpoint_in_flight_requests", "In-flight requests", ["endpoint"], registry=r
+        )
         self.in_flight_tokens = Gauge(
-            "kvpick_endpoint_in_flight_tokens", "Prompt tokens of in-flight requests", ["endpoint"], registry=r
+            "kvpick_endpoint_in_flight_tokens",
+            "Prompt tokens of in-flight requests",
+            ["endpoint"],
+            registry=r,
         )
         self.scrape_errors = Counter(
             "kvpick_scrape_errors", "Failed /metrics scrapes", ["endpoint", "reason"], registry=r
@@ -68,7 +77,5 @@ class Telemetry:
 
     def forget(self, key: str) -> None:
         for gauge in (self.in_flight, self.in_flight_tokens):
-            try:
+            with contextlib.suppress(KeyError):
                 gauge.remove(key)
-            except KeyError:
-                pass

@@ -19,7 +19,9 @@ class MaxScorePicker:
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
 
-    def pick(self, scores: Mapping[str, float], endpoints: Sequence[EndpointState], k: int) -> list[EndpointState]:
+    def pick(
+        self, scores: Mapping[str, float], endpoints: Sequence[EndpointState], k: int
+    ) -> list[EndpointState]:
         rnd = self._rng.random
         ranked = sorted(endpoints, key=lambda e: (scores.get(e.key, 0.0), rnd()), reverse=True)
         return ranked[:k]
@@ -31,7 +33,9 @@ class RoundRobinPicker:
 
     _next: int = field(default=0, repr=False)
 
-    def pick(self, scores: Mapping[str, float], endpoints: Sequence[EndpointState], k: int) -> list[EndpointState]:
+    def pick(
+        self, scores: Mapping[str, float], endpoints: Sequence[EndpointState], k: int
+    ) -> list[EndpointState]:
         ordered = sorted(endpoints, key=lambda e: e.key)
         start = self._next % len(ordered)
         self._next += 1
@@ -47,5 +51,7 @@ class RandomPicker:
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
 
-    def pick(self, scores: Mapping[str, float], endpoints: Sequence[EndpointState], k: int) -> list[EndpointState]:
+    def pick(
+        self, scores: Mapping[str, float], endpoints: Sequence[EndpointState], k: int
+    ) -> list[EndpointState]:
         return self._rng.sample(list(endpoints), min(k, len(endpoints)))

@@ -62,7 +62,9 @@ class LeastLoadedScorer:
     """Fewest requests (ours in flight, or the scraped running + waiting, whichever is larger)."""
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
-        return _by_load(endpoints, lambda e: max(float(e.in_flight_requests), e.metrics.running + e.metrics.waiting))
+        return _by_load(
+            endpoints, lambda e: max(float(e.in_flight_requests), e.metrics.running + e.metrics.waiting)
+        )
 
 
 @dataclass

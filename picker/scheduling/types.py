@@ -46,7 +46,9 @@ class Scorer(Protocol):
 
 
 class Picker(Protocol):
-    def pick(self, scores: Mapping[str, float], endpoints: Sequence[EndpointState], k: int) -> list[EndpointState]:
+    def pick(
+        self, scores: Mapping[str, float], endpoints: Sequence[EndpointState], k: int
+    ) -> list[EndpointState]:
         """Return at most ``k`` distinct endpoints, best first. ``endpoints`` is never empty."""
         ...
 

@@ -1,0 +1,162 @@
+"""``python -m picker``: the kvpick endpoint picker (an Envoy ext_proc service, GIE protocol).
+
+Flags shared with GIE's EPP keep GIE's names, so the picker can replace it in a deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+
+from picker import config as config_mod
+from picker.endpoints.static import FileProvider, StaticProvider, parse_list
+from picker.endpoints.types import EndpointProvider
+from picker.extproc import BUFFERED, FULL_DUPLEX
+from picker.server import PickerServer, ServerOptions
+
+
+def _bool(v: str) -> bool:
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m picker", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    g = p.add_argument_group("serving (GIE-compatible names)")
+    g.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port (also serves gRPC health)")
+    g.add_argument("--grpc-health-port", type=int, default=9003, help="plaintext gRPC health port")
+    g.add_argument(
+        "--metrics-port", type=int, default=9090, help="Prometheus /metrics and /debug/* HTTP port"
+    )
+    g.add_argument("--host", default="0.0.0.0", help="address to bind all ports on")
+    g.add_argument(
+        "--secure-serving",
+        type=_bool,
+        default=True,
+        metavar="BOOL",
+        help="serve ext_proc over TLS (self-signed unless --cert-path); false for plaintext",
+    )
+    g.add_argument("--cert-path", default=None, help="directory holding tls.crt and tls.key")
+    g.add_argument(
+        "--enable-cert-reload",
+        type=_bool,
+        default=False,
+        metavar="BOOL",
+        help="re-read the certificate in --cert-path when it changes",
+    )
+    g.add_argument("--config-file", default=None, help="YAML config (policies, hashing, index, scrape)")
+    d = p.add_argument_group("discovery")
+    d.add_argument("--endpoints", default=None, help="static endpoints ip:port,ip:port,...")
+    d.add_argument("--endpoints-file", default=None, help="YAML endpoints file, reloaded when it changes")
+    d.add_argument("--pool-name", default=None, help="InferencePool to read endpoints from (Kubernetes)")
+    d.add_argument("--pool-namespace", default="default", help="namespace of the InferencePool / pods")
+    d.add_argument(
+        "--endpoint-selector", default=None, help="pod label selector, when no InferencePool is used"
+    )
+    d.add_argument(
+        "--endpoint-target-ports", default=None, help="target ports for --endpoint-selector, e.g. 8000,8001"
+    )
+    r = p.add_argument_group("routing (override the config file)")
+    r.add_argument(
+        "--policy", default=None, help="scheduling policy: cost, weighted, round-robin, least-loaded, ..."
+    )
+    r.add_argument(
+        "--block-size", type=int, default=None, help="prefix hash block size in bytes of prompt text"
+    )
+    r.add_argument(
+        "--index-capacity", type=int, default=None, help="default per-endpoint LRU capacity in blocks"
+    )
+    r.add_argument("--fallbacks", type=int, default=None, help="fallback endpoints named after the primary")
+    r.add_argument(
+        "--max-body-bytes", type=int, default=None, help="largest request body accepted (else 413)"
+    )
+    r.add_argument("--scrape-interval", type=float, default=None, help="seconds between /metrics polls")
+    r.add_argument(
+        "--body-mode",
+        choices=["full-duplex", "buffered"],
+        default="full-duplex",
+        help="request body mode assumed when Envoy does not announce it",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def build_config(args: argparse.Namespace) -> config_mod.RouterConfig:
+    cfg = config_mod.load_file(args.config_file) if args.config_file else config_mod.RouterConfig()
+    changes: dict[str, object] = {}
+    if args.policy:
+        changes["policy"] = args.policy
+    if args.fallbacks is not None:
+        changes["fallbacks"] = args.fallbacks
+    if args.max_body_bytes is not None:
+        changes["max_body_bytes"] = args.max_body_bytes
+    if args.block_size is not None:
+        changes["hashing"] = dataclasses.replace(cfg.hashing, block_size=args.block_size)
+    if args.index_capacity is not None:
+        changes["index"] = dataclasses.replace(cfg.index, capacity_blocks=args.index_capacity)
+    if args.scrape_interval is not None:
+        changes["scrape"] = dataclasses.replace(cfg.scrape, interval_s=args.scrape_interval)
+    return dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]
+
+
+def build_provider(args: argparse.Namespace) -> EndpointProvider:
+    if args.endpoints:
+        return StaticProvider(parse_list(args.endpoints))
+    if args.endpoints_file:
+        return FileProvider(args.endpoints_file)
+    if args.pool_name or args.endpoint_selector:
+        from picker.endpoints.kube import KubeProvider  # imported lazily: only cluster mode needs it
+
+        provider: EndpointProvider = KubeProvider.from_flags(
+            pool_name=args.pool_name,
+            pool_namespace=args.pool_namespace,
+            endpoint_selector=args.endpoint_selector,
+            endpoint_target_ports=args.endpoint_target_ports,
+        )
+        return provider
+    raise SystemExit("no endpoints: give --endpoints, --endpoints-file, --pool-name or --endpoint-selector")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        cfg = build_config(args)
+    except (ValueError, OSError) as exc:
+        print(f"picker: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    opts = ServerOptions(
+        grpc_port=args.grpc_port,
+        grpc_health_port=args.grpc_health_port,
+        metrics_port=args.metrics_port,
+        host=args.host,
+        secure_serving=args.secure_serving,
+        cert_path=args.cert_path,
+        enable_cert_reload=args.enable_cert_reload,
+        default_body_mode=BUFFERED if args.body_mode == "buffered" else FULL_DUPLEX,
+    )
+    server = PickerServer(cfg, build_provider(args), opts)
+
+    async def _run() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.stop)
+        await server.run()
+
+    asyncio.run(_run())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""The metrics port (9090): Prometheus ``/metrics`` and the JSON debug API.
+
+- ``GET /metrics``: the picker's own metrics.
+- ``POST /debug/explain?path=/v1/completions[&policy=NAME]`` with an OpenAI body: per-endpoint
+  matched blocks, scores and TTFT estimates, without sending anything.
+- ``GET /debug/endpoints``: the pool's live state.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from picker import request as request_mod
+from picker.errors import BadRequest, PickerError
+from picker.router import Router
+from picker.telemetry import Telemetry
+
+
+def make_app(router: Router, telemetry: Telemetry) -> web.Application:
+    async def metrics(_: web.Request) -> web.Response:
+        telemetry.refresh(router.pool, router.index)
+        body = generate_latest(telemetry.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def explain(req: web.Request) -> web.Response:
+        body = await req.read()
+        policy = req.query.get("policy") or None
+        try:
+            if policy is not None and policy not in router.profiles:
+                raise BadRequest(f"unknown policy {policy!r}; known: {sorted(router.profiles)}")
+            parsed, _ = request_mod.parse(
+                body, req.query.get("path", "/v1/completions"), dict(req.headers), router.cfg.lora_adapters
+            )
+            return web.json_response(router.explain(parsed, policy))
+        except PickerError as err:
+            return web.json_response({"error": {"message": err.message, "type": err.kind}}, status=err.status)
+
+    async def endpoints(_: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                s.key: {
+                    "health": s.health.value,
+                    "in_flight_requests": s.in_flight_requests,
+                    "in_flight_tokens": s.in_flight_tokens,
+                    "pending_prefill_tokens": s.pending_prefill_tokens,
+                    "prefill_rate": s.prefill_rate,
+                    "waiting": s.metrics.waiting,
+                    "running": s.metrics.running,
+                    "kv_usage": s.metrics.kv_usage,
+                    "index_blocks": router.index.size(s.key),
+                }
+                for s in router.pool
+            }
+        )
+
+    app = web.Application(client_max_size=router.cfg.max_body_bytes)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/debug/explain", explain)
+    app.router.add_get("/debug/endpoints", endpoints)
+    return app

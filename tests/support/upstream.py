@@ -1,0 +1,105 @@
+"""Real HTTP upstreams for picker tests: each port answers with which port served it.
+
+    python -m tests.support.upstream --ports 8001,8002
+
+- ``POST /v1/*``: JSON ``{"served_by": port, "sha256": ..., "bytes": n, "model": ...}``; with
+  ``"stream": true`` an SSE stream of ``chunks`` events (``?delay=`` seconds between events).
+- ``GET /metrics``: vLLM-named gauges; ``POST /control {"waiting": n, "kv": x}`` sets them.
+- ``GET /health``: 200. ``POST /reset`` on a stream drops the connection mid-stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import socket
+
+from aiohttp import web
+
+
+def make_app(port: int) -> web.Application:
+    state = {"waiting": 0.0, "running": 0.0, "kv": 0.0, "served": 0}
+
+    async def completions(req: web.Request) -> web.StreamResponse:
+        body = await req.read()
+        state["served"] += 1
+        info = {
+            "served_by": port,
+            "sha256": hashlib.sha256(body).hexdigest(),
+            "bytes": len(body),
+            "dest_header": req.headers.get("x-gateway-destination-endpoint", ""),
+        }
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            doc = {}
+        info["model"] = doc.get("model") if isinstance(doc, dict) else None
+        if isinstance(doc, dict) and doc.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(req)
+            n = int(doc.get("chunks", 5))
+            delay = float(doc.get("delay", 0.0))
+            for i in range(n):
+                await resp.write(f"data: {json.dumps({'i': i, **info})}\n\n".encode())
+                if doc.get("reset_after") == i and req.transport is not None:
+                    req.transport.abort()  # upstream reset mid-stream
+                    return resp
+                if delay:
+                    await asyncio.sleep(delay)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        return web.json_response(info)
+
+    async def metrics(_: web.Request) -> web.Response:
+        lbl = 'model_name="m",engine="0"'
+        text = (
+            f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{{lbl}}} {state['waiting']}\n"
+            f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{{lbl}}} {state['running']}\n"
+            f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{{lbl}}} {state['kv']}\n"
+            f"# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="1000",engine="0"}} 1.0\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def control(req: web.Request) -> web.Response:
+        doc = await req.json()
+        state.update({k: float(v) for k, v in doc.items() if k in ("waiting", "running", "kv")})
+        return web.json_response(state)
+
+    async def stats(_: web.Request) -> web.Response:
+        return web.json_response(state)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/{tail:.*}", completions)
+    app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "m"}], "served_by": port}))
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    app.router.add_get("/stats", stats)
+    app.router.add_post("/control", control)
+    return app
+
+
+async def serve(ports: list[int]) -> None:
+    runners = []
+    for port in ports:
+        runner = web.AppRunner(make_app(port), access_log=None)
+        await runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(("127.0.0.1", port))
+        await web.SockSite(runner, sock).start()
+        runners.append(runner)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ports", required=True)
+    asyncio.run(serve([int(p) for p in ap.parse_args().ports.split(",")]))
