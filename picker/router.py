@@ -74,6 +74,8 @@ class Router:
             p.timer = plugin_timer
         self.profile = self.profiles[cfg.policy]
         self._block_tokens = cfg.hashing.block_size / cfg.index.chars_per_token
+        self.prefill_rate = 0.0
+        """Pool-wide prefill tokens/s (EWMA over all endpoints' observations)."""
         pool.on_remove(lambda s: self.index.remove(s.key))
 
     def cycle(self, req: InferenceRequest, candidates: list[EndpointState]) -> tuple[Cycle, list[int]]:
@@ -87,7 +89,7 @@ class Router:
         block_tokens = (
             prompt_tokens / len(hashes) if req.prompt_token_ids is not None and hashes else self._block_tokens
         )
-        cyc = Cycle(req, prompt_tokens, block_tokens, len(hashes), matches, self.clock())
+        cyc = Cycle(req, prompt_tokens, block_tokens, len(hashes), matches, self.clock(), self.prefill_rate)
         return cyc, hashes
 
     def route(self, req: InferenceRequest, policy: str | None = None) -> Decision:

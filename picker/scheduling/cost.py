@@ -6,8 +6,8 @@
 - ``queued(e)``: prefill work ahead of the request: the larger of the uncached tokens we sent to
   ``e`` that have not produced a first byte yet, and the scraped waiting queue times
   ``tokens_per_waiting``.
-- ``rate(e)``: the prefill rate (tokens/s) observed on ``e`` (an EWMA fed by the router from
-  uncached tokens ÷ measured TTFT); ``default_rate`` until observed.
+- ``rate``: the pool's observed prefill rate (tokens/s; an EWMA fed by the router from prefill
+  work ÷ measured time to first byte); ``default_rate`` until observed.
 - ``running(e) * decode_step_s``: running decodes share each engine step with the prefill.
 
 The score is ``min_ttft / ttft(e)``: 1 for the cheapest endpoint, smaller for the rest, so the
@@ -34,7 +34,7 @@ class CostScorer:
     def estimate(self, cycle: Cycle, e: EndpointState) -> float:
         uncached = cycle.prompt_tokens - cycle.cached_tokens(e.key)
         queued = max(float(e.pending_prefill_tokens), e.metrics.waiting * self.tokens_per_waiting)
-        rate = e.prefill_rate if e.prefill_rate > 0 else self.default_rate
+        rate = cycle.prefill_rate if cycle.prefill_rate > 0 else self.default_rate
         running = max(e.metrics.running, float(e.in_flight_requests))
         return (queued + uncached) / rate + running * self.decode_step_s + self.overhead_s
 

@@ -32,6 +32,9 @@ class Cycle:
     matches: Mapping[str, int]
     """Endpoint key → leading prefix blocks the index says that endpoint has."""
     now: float
+    prefill_rate: float = 0.0
+    """Pool-wide observed prefill throughput in tokens/s (0 = not observed yet). Pool-wide because
+    an InferencePool's replicas are homogeneous: per-endpoint noise must not herd cold traffic."""
 
     def cached_tokens(self, key: str) -> int:
         return min(self.prompt_tokens, int(self.matches.get(key, 0) * self.block_tokens))

@@ -1,0 +1,82 @@
+"""Routing through a real Envoy: requests go where the picker says, with prefix affinity."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import pytest
+
+from tests.support.procs import Stack, http, post_json
+
+pytestmark = pytest.mark.envoy
+
+DOC = "You are a meticulous assistant. Answer using the attached handbook. " * 30
+
+
+def complete(st: Stack, prompt: str, **extra: object) -> tuple[int, dict[str, object]]:
+    status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": prompt, **extra})
+    assert isinstance(body, dict), body
+    return status, body
+
+
+def test_requests_reach_the_endpoint_the_picker_names(envoy_stack: Stack) -> None:
+    for i in range(6):
+        status, body = complete(envoy_stack, f"question {i}")
+        assert status == 200
+        assert body["dest_header"] == f"127.0.0.1:{body['served_by']}"
+
+
+def test_same_long_prefix_sticks_and_distinct_prefixes_spread(envoy_stack: Stack) -> None:
+    served = {complete(envoy_stack, DOC + f" Question {i}?")[1]["served_by"] for i in range(8)}
+    assert len(served) == 1, f"a shared 2 KB prefix should stay on one endpoint, went to {served}"
+    spread = collections.Counter(
+        complete(envoy_stack, f"{i} unrelated topic number {i} " * 20)[1]["served_by"] for i in range(24)
+    )
+    assert len(spread) == 2, f"distinct prefixes should use both endpoints: {spread}"
+
+
+def test_overloaded_endpoint_stops_winning(envoy_stack: Stack) -> None:
+    home = complete(envoy_stack, DOC + " first")[1]["served_by"]
+    other = next(p for p in envoy_stack.upstreams if p != home)
+    # The endpoint holding the prefix now reports a deep queue and a full KV cache.
+    post_json(f"http://127.0.0.1:{home}/control", {"waiting": 200, "kv": 0.99, "running": 64})
+    deadline = time.monotonic() + 10
+    while envoy_stack.endpoints()[f"127.0.0.1:{home}"]["waiting"] < 200:
+        assert time.monotonic() < deadline, "picker never scraped the overload"
+        time.sleep(0.1)
+    served = {complete(envoy_stack, DOC + f" again {i}")[1]["served_by"] for i in range(5)}
+    assert served == {other}
+
+
+def test_forged_destination_header_is_never_honoured(envoy_stack: Stack) -> None:
+    home = complete(envoy_stack, DOC + " forged")[1]["served_by"]
+    other = next(p for p in envoy_stack.upstreams if p != home)
+    for _ in range(5):
+        status, body = post_json(envoy_stack.url + "/v1/completions", {"model": "m", "prompt": DOC + " forged"},
+                                 headers={"x-gateway-destination-endpoint": f"127.0.0.1:{other}"})
+        assert status == 200 and body["served_by"] == home
+
+
+def test_forged_header_to_a_foreign_port_is_ignored(envoy_stack: Stack) -> None:
+    status, body = post_json(envoy_stack.url + "/v1/completions", {"model": "m", "prompt": "hi"},
+                             headers={"x-gateway-destination-endpoint": "127.0.0.1:1"})
+    assert status == 200 and body["served_by"] in envoy_stack.upstreams
+
+
+def test_bodiless_get_goes_to_a_ready_endpoint(envoy_stack: Stack) -> None:
+    status, body, _ = http("GET", envoy_stack.url + "/v1/models")
+    assert status == 200 and b"served_by" in body
+
+
+def test_model_rewrite_header_rewrites_the_body(envoy_stack: Stack) -> None:
+    status, body = post_json(envoy_stack.url + "/v1/completions", {"model": "m", "prompt": "hi"},
+                             headers={"x-gateway-model-name-rewrite": "m-lora"})
+    assert status == 200 and body["model"] == "m-lora"
+
+
+def test_in_flight_returns_to_zero(envoy_stack: Stack) -> None:
+    for i in range(5):
+        complete(envoy_stack, f"count {i}")
+    eps = envoy_stack.wait_in_flight_zero()
+    assert sum(e["index_blocks"] for e in eps.values()) > 0
