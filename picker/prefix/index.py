@@ -5,9 +5,11 @@ Each endpoint has a bounded, segmented LRU of block hashes:
 - ``gens`` is a list of ``segments`` dicts, newest last. A recorded or matched block is moved
   into the newest segment. When the newest segment holds ``capacity // segments`` blocks, the
   oldest segment is dropped whole and a new one is opened.
-- Invariant (asserted): an endpoint never holds more than ``capacity`` blocks. At least the most
-  recent ``capacity * (segments - 1) / segments`` distinct blocks are always retained: exact LRU at
-  segment granularity.
+- Invariant (asserted): an endpoint never holds more than ``capacity`` blocks. Every block put
+  into the newest segment by the last ``(segments - 1) * seg_cap`` insertions is retained (moving
+  a block up from an older segment counts as an insertion): exact LRU at segment granularity.
+  With no refreshes that is the most recent ``(segments - 1) * seg_cap`` distinct blocks; with
+  refreshes, never fewer than the most recent ``seg_cap``.
 - Why not ``OrderedDict``: measured 141 B per entry against about 88 B for a plain dict with
   60-bit int keys; ``python -m bench.picker`` reports the index's bytes per entry.
 
@@ -64,13 +66,17 @@ class EndpointLRU:
         assert len(self) <= self.capacity, f"LRU holds {len(self)} blocks > capacity {self.capacity}"
 
     def resize(self, capacity: int) -> None:
-        """Change the capacity; drops the oldest segments if they no longer fit."""
+        """Change the capacity. Keeps the most recent blocks that fit in ``segments - 1`` segments
+        of the new size, re-cut oldest first, with an empty newest segment: every old segment then
+        holds at most ``seg_cap`` blocks, so later inserts cannot overshoot the bound."""
         segments = len(self.gens)
         self.capacity = max(capacity, segments)
-        self.seg_cap = self.capacity // segments
-        while len(self) > self.capacity:
-            self.gens.pop(0)
-            self.gens.append({})
+        self.seg_cap = seg_cap = self.capacity // segments
+        kept = [h for g in self.gens for h in g]  # oldest first
+        kept = kept[max(0, len(kept) - (segments - 1) * seg_cap) :]
+        cut = [dict.fromkeys(kept[i : i + seg_cap]) for i in range(0, len(kept), seg_cap)]
+        empty: list[dict[int, None]] = [{} for _ in range(segments - 1 - len(cut))]
+        self.gens = [*empty, *cut, {}]
 
 
 class PrefixIndex:

@@ -53,14 +53,20 @@ def test_forged_destination_header_is_never_honoured(envoy_stack: Stack) -> None
     home = complete(envoy_stack, DOC + " forged")[1]["served_by"]
     other = next(p for p in envoy_stack.upstreams if p != home)
     for _ in range(5):
-        status, body = post_json(envoy_stack.url + "/v1/completions", {"model": "m", "prompt": DOC + " forged"},
-                                 headers={"x-gateway-destination-endpoint": f"127.0.0.1:{other}"})
+        status, body = post_json(
+            envoy_stack.url + "/v1/completions",
+            {"model": "m", "prompt": DOC + " forged"},
+            headers={"x-gateway-destination-endpoint": f"127.0.0.1:{other}"},
+        )
         assert status == 200 and body["served_by"] == home
 
 
 def test_forged_header_to_a_foreign_port_is_ignored(envoy_stack: Stack) -> None:
-    status, body = post_json(envoy_stack.url + "/v1/completions", {"model": "m", "prompt": "hi"},
-                             headers={"x-gateway-destination-endpoint": "127.0.0.1:1"})
+    status, body = post_json(
+        envoy_stack.url + "/v1/completions",
+        {"model": "m", "prompt": "hi"},
+        headers={"x-gateway-destination-endpoint": "127.0.0.1:1"},
+    )
     assert status == 200 and body["served_by"] in envoy_stack.upstreams
 
 
@@ -70,8 +76,11 @@ def test_bodiless_get_goes_to_a_ready_endpoint(envoy_stack: Stack) -> None:
 
 
 def test_model_rewrite_header_rewrites_the_body(envoy_stack: Stack) -> None:
-    status, body = post_json(envoy_stack.url + "/v1/completions", {"model": "m", "prompt": "hi"},
-                             headers={"x-gateway-model-name-rewrite": "m-lora"})
+    status, body = post_json(
+        envoy_stack.url + "/v1/completions",
+        {"model": "m", "prompt": "hi"},
+        headers={"x-gateway-model-name-rewrite": "m-lora"},
+    )
     assert status == 200 and body["model"] == "m-lora"
 
 

@@ -25,8 +25,10 @@ def test_sse_passes_through_intact(envoy_stack: Stack) -> None:
 
 def test_client_abort_does_not_leak_in_flight(envoy_stack: Stack) -> None:
     body = json.dumps({"model": "m", "prompt": "slow", "stream": True, "chunks": 50, "delay": 0.1}).encode()
-    req = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-           f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    req = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     with socket.create_connection(("127.0.0.1", envoy_stack.envoy_port)) as s:
         s.sendall(req)
         s.settimeout(10)
@@ -41,10 +43,12 @@ def test_client_abort_does_not_leak_in_flight(envoy_stack: Stack) -> None:
 
 
 def test_upstream_reset_does_not_leak_in_flight(envoy_stack: Stack) -> None:
-    body = json.dumps({"model": "m", "prompt": "reset", "stream": True, "chunks": 10, "reset_after": 2}).encode()
+    body = json.dumps(
+        {"model": "m", "prompt": "reset", "stream": True, "chunks": 10, "reset_after": 2}
+    ).encode()
     try:
         http("POST", envoy_stack.url + "/v1/completions", body, timeout=10)
-    except Exception:  # noqa: BLE001 - the stream is cut mid-body; any client error is expected
+    except Exception:
         pass
     envoy_stack.wait_in_flight_zero()
 
@@ -52,9 +56,13 @@ def test_upstream_reset_does_not_leak_in_flight(envoy_stack: Stack) -> None:
 def test_many_concurrent_streams_return_to_zero(envoy_stack: Stack) -> None:
     import concurrent.futures
 
-    body = json.dumps({"model": "m", "prompt": "concurrent", "stream": True, "chunks": 5, "delay": 0.01}).encode()
+    body = json.dumps(
+        {"model": "m", "prompt": "concurrent", "stream": True, "chunks": 5, "delay": 0.01}
+    ).encode()
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda _: http("POST", envoy_stack.url + "/v1/completions", body)[0], range(48)))
+        results = list(
+            pool.map(lambda _: http("POST", envoy_stack.url + "/v1/completions", body)[0], range(48))
+        )
     assert results == [200] * 48
     time.sleep(0.1)
     envoy_stack.wait_in_flight_zero()

@@ -1,0 +1,102 @@
+"""The picker behind GIE's own test Envoy settings, its gRPC health services, and its metrics."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.support.procs import Procs, Stack, free_port, http, post_json
+
+pytestmark = pytest.mark.envoy
+DATA = pathlib.Path(__file__).parent / "data"
+DOC = "GIE compatibility: a shared system prompt that spans several hash blocks. " * 10
+
+
+def test_works_behind_gie_test_envoy_config(tmp_path: pathlib.Path) -> None:
+    procs = Procs(tmp_path)
+    st = Stack(procs, [free_port(), free_port()])
+    try:
+        st.start_upstreams()
+        st.start_picker()  # defaults: TLS with a self-signed certificate, as GIE's EPP
+        st.envoy_port = free_port()
+        cfg = (DATA / "gie_test_envoy.yaml").read_text()
+        cfg = cfg.replace("@LISTEN@", str(st.envoy_port)).replace("@ADMIN@", str(free_port()))
+        st.start_envoy(config=cfg.replace("@EPP@", str(st.grpc_port)))
+        deadline = time.monotonic() + 30
+        while (status := post_json(st.url + "/v1/completions", {"model": "m", "prompt": "w"})[0]) != 200:
+            assert time.monotonic() < deadline, (status, procs.log("envoy")[-2000:])
+            time.sleep(0.3)
+        homes = set()
+        for i in range(4):
+            status, body = post_json(
+                st.url + "/v1/chat/completions",
+                {
+                    "model": "m",
+                    "messages": [{"role": "system", "content": DOC}, {"role": "user", "content": f"q{i}"}],
+                },
+            )
+            assert status == 200, body
+            homes.add(body["served_by"])
+        assert len(homes) == 1
+        # GIE's config does not strip the header: the picker must overwrite a forged one.
+        other = next(p for p in st.upstreams if p not in homes)
+        status, body = post_json(
+            st.url + "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "system", "content": DOC}]},
+            headers={"x-gateway-destination-endpoint": f"127.0.0.1:{other}"},
+        )
+        assert status == 200 and body["served_by"] in homes
+    finally:
+        procs.close()
+
+
+def _check(channel: grpc.Channel, service: str) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return int(stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status)
+
+
+def test_grpc_health_on_both_ports_and_metrics(envoy_stack: Stack) -> None:
+    serving = health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(f"127.0.0.1:{envoy_stack.health_port}") as ch:
+        for svc in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            assert _check(ch, svc) == serving, svc
+    # The ext_proc port speaks TLS and answers health there too (gateways probe it).
+    import ssl
+
+    pem = ssl.get_server_certificate(("127.0.0.1", envoy_stack.grpc_port)).encode()
+    creds = grpc.ssl_channel_credentials(root_certificates=pem)
+    opts = (("grpc.ssl_target_name_override", "kvpick-picker"),)
+    with grpc.secure_channel(f"127.0.0.1:{envoy_stack.grpc_port}", creds, options=opts) as ch:
+        assert _check(ch, "envoy.service.ext_proc.v3.ExternalProcessor") == serving
+    status, body, _ = http("GET", f"http://127.0.0.1:{envoy_stack.metrics_port}/metrics")
+    text = body.decode()
+    assert status == 200
+    for name in (
+        "inference_extension_scheduler_e2e_duration_seconds_bucket",
+        "inference_extension_prefix_indexer_size",
+        "inference_pool_ready_pods 2.0",
+        "kvpick_requests_total",
+        "kvpick_endpoint_in_flight_requests",
+    ):
+        assert name in text, name
+
+
+def test_explain_reports_scores_and_estimates(envoy_stack: Stack) -> None:
+    post_json(envoy_stack.url + "/v1/completions", {"model": "m", "prompt": DOC})
+    status, body = post_json(
+        f"http://127.0.0.1:{envoy_stack.metrics_port}/debug/explain?path=/v1/completions",
+        {"model": "m", "prompt": DOC + " more"},
+    )
+    assert status == 200, body
+    eps = body["endpoints"]
+    assert len(eps) == 2
+    best = body["chosen"][0]
+    assert eps[best]["matched_blocks"] > 0
+    assert all(e["ttft_estimate_s"] > 0 for e in eps.values())
+    assert eps[best]["ttft_estimate_s"] == min(e["ttft_estimate_s"] for e in eps.values())
+    status, body = post_json(f"http://127.0.0.1:{envoy_stack.metrics_port}/debug/explain", {"prompt": "x"})
+    assert status == 400
