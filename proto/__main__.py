@@ -21,8 +21,15 @@ def main() -> int:
     if not files:
         return 0
     include = pathlib.Path(protoc.__file__).parent / "_proto"
-    args = ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={OUT}", f"--grpc_python_out={OUT}",
-            f"--pyi_out={OUT}", *files]
+    args = [
+        "protoc",
+        f"-I{ROOT}",
+        f"-I{include}",
+        f"--python_out={OUT}",
+        f"--grpc_python_out={OUT}",
+        f"--pyi_out={OUT}",
+        *files,
+    ]
     rc = protoc.main(args)
     if rc != 0:
         print(f"protoc failed ({rc}) for {files}", file=sys.stderr)

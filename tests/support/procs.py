@@ -42,8 +42,13 @@ def wait_port(port: int, timeout: float = 30.0, proc: subprocess.Popen[bytes] | 
     raise TimeoutError(f"port {port} did not open in {timeout}s")
 
 
-def http(method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None,
-         timeout: float = 30.0) -> tuple[int, bytes, dict[str, str]]:
+def http(
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> tuple[int, bytes, dict[str, str]]:
     req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -53,7 +58,9 @@ def http(method: str, url: str, body: bytes | None = None, headers: dict[str, st
 
 
 def post_json(url: str, doc: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    status, body, _ = http("POST", url, json.dumps(doc).encode(), {"content-type": "application/json", **(headers or {})})
+    status, body, _ = http(
+        "POST", url, json.dumps(doc).encode(), {"content-type": "application/json", **(headers or {})}
+    )
     try:
         return status, json.loads(body)
     except ValueError:
@@ -69,8 +76,14 @@ class Procs:
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
-        proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
+        proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         self.procs.append((name, proc))
         return proc
 
@@ -131,15 +144,31 @@ class Stack:
         raise AssertionError(f"in-flight did not return to zero: {eps}")
 
     def start_upstreams(self) -> None:
-        proc = self.procs.start("upstreams", [PY, "-m", "tests.support.upstream", "--ports", ",".join(map(str, self.upstreams))])
+        proc = self.procs.start(
+            "upstreams", [PY, "-m", "tests.support.upstream", "--ports", ",".join(map(str, self.upstreams))]
+        )
         for p in self.upstreams:
             wait_port(p, proc=proc)
 
     def start_picker(self, *extra: str, endpoints: list[int] | None = None) -> None:
         self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
         eps = ",".join(f"127.0.0.1:{p}" for p in (endpoints if endpoints is not None else self.upstreams))
-        args = [PY, "-m", "picker", "--endpoints", eps, "--host", "127.0.0.1", "--grpc-port", str(self.grpc_port),
-                "--grpc-health-port", str(self.health_port), "--metrics-port", str(self.metrics_port), *extra]
+        args = [
+            PY,
+            "-m",
+            "picker",
+            "--endpoints",
+            eps,
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            str(self.grpc_port),
+            "--grpc-health-port",
+            str(self.health_port),
+            "--metrics-port",
+            str(self.metrics_port),
+            *extra,
+        ]
         proc = self.procs.start("picker", args)
         wait_port(self.metrics_port, proc=proc)
         wait_port(self.grpc_port, proc=proc)
@@ -148,18 +177,45 @@ class Stack:
         self.envoy_port = self.envoy_port or free_port()
         path = self.procs.tmp / "envoy.yaml"
         if config is None:
-            subprocess.run([PY, str(ROOT / "deploy/envoy/render.py"), "--listen-port", str(self.envoy_port),
-                            "--admin-port", str(free_port()), "--picker", f"127.0.0.1:{self.grpc_port}",
-                            "-o", str(path), *render_args], check=True)
+            subprocess.run(
+                [
+                    PY,
+                    str(ROOT / "deploy/envoy/render.py"),
+                    "--listen-port",
+                    str(self.envoy_port),
+                    "--admin-port",
+                    str(free_port()),
+                    "--picker",
+                    f"127.0.0.1:{self.grpc_port}",
+                    "-o",
+                    str(path),
+                    *render_args,
+                ],
+                check=True,
+            )
         else:
             path.write_text(config)
-        proc = self.procs.start("envoy", [ENVOY, "-c", str(path), "--base-id", str(next(_base_ids)),
-                                          "-l", "warning", "--concurrency", "2"])
+        proc = self.procs.start(
+            "envoy",
+            [
+                ENVOY,
+                "-c",
+                str(path),
+                "--base-id",
+                str(next(_base_ids)),
+                "-l",
+                "warning",
+                "--concurrency",
+                "2",
+            ],
+        )
         wait_port(self.envoy_port, proc=proc)
 
 
 @contextlib.contextmanager
-def stack(tmp: pathlib.Path, n: int = 2, picker_args: tuple[str, ...] = (), envoy_args: tuple[str, ...] = ()) -> Iterator[Stack]:
+def stack(
+    tmp: pathlib.Path, n: int = 2, picker_args: tuple[str, ...] = (), envoy_args: tuple[str, ...] = ()
+) -> Iterator[Stack]:
     procs = Procs(tmp)
     st = Stack(procs, [free_port() for _ in range(n)])
     try:
@@ -181,4 +237,6 @@ def _wait_routable(st: Stack, timeout: float = 30.0) -> None:
             st.wait_in_flight_zero()
             return
         time.sleep(0.2)
-    raise RuntimeError(f"stack never became routable: {last}\n{st.procs.log('picker')}\n{st.procs.log('envoy')}")
+    raise RuntimeError(
+        f"stack never became routable: {last}\n{st.procs.log('picker')}\n{st.procs.log('envoy')}"
+    )
