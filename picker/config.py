@@ -104,8 +104,18 @@ def load_file(path: str, base: RouterConfig | None = None) -> RouterConfig:
     return load(raw, base)
 
 
+def _check_keys(raw: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    unknown = set(raw) - allowed
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
 def build_profile(name: str, spec: Mapping[str, Any]) -> Profile:
-    """Instantiate a policy's plugins from its spec (``filters``, ``scorers``, ``picker``)."""
+    """Instantiate a policy's plugins from its spec (``filters``, ``scorers``, ``picker``).
+    Misspelt keys are errors: a silently ignored ``wieght`` would change routing unnoticed."""
+    _check_keys(spec, {"filters", "scorers", "picker"}, f"profile {name!r}")
+    for entry in [*spec.get("filters", []), *spec.get("scorers", []), spec.get("picker", {})]:
+        _check_keys(entry, {"type", "params", "weight"}, f"profile {name!r} plugin")
     filters = [(f["type"], make_filter(f["type"], f.get("params"))) for f in spec.get("filters", [])]
     scorers = [
         (s["type"], make_scorer(s["type"], s.get("params")), float(s.get("weight", 1.0)))

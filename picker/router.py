@@ -92,13 +92,13 @@ class Router:
         cyc = Cycle(req, prompt_tokens, block_tokens, len(hashes), matches, self.clock(), self.prefill_rate)
         return cyc, hashes
 
-    def route(self, req: InferenceRequest, policy: str | None = None) -> Decision:
+    def route(self, req: InferenceRequest, policy: str | None = None, commit: bool = True) -> Decision:
         candidates = self.pool.routable()
         if not candidates:
             raise NoEndpoints("no ready endpoint in the pool")
         cyc, hashes = self.cycle(req, candidates)
         profile = self.profiles[policy] if policy else self.profile
-        result = profile.run(cyc, candidates, 1 + self.cfg.fallbacks)
+        result = profile.run(cyc, candidates, 1 + self.cfg.fallbacks, commit)
         return Decision(cyc, result, hashes)
 
     def start(self, decision: Decision) -> Ticket:
@@ -158,7 +158,7 @@ class Router:
 
     def explain(self, req: InferenceRequest, policy: str | None = None) -> dict[str, object]:
         """Per-endpoint scores and TTFT estimates for ``req``, without sending it anywhere."""
-        decision = self.route(req, policy)
+        decision = self.route(req, policy, commit=False)
         cyc = decision.cycle
         cost = self.profile.scorer("cost") or CostScorer()
         assert isinstance(cost, CostScorer)

@@ -32,7 +32,8 @@ class Profile:
     picker: tuple[str, Picker]
     timer: PluginTimer | None = field(default=None, repr=False)
 
-    def run(self, cycle: Cycle, endpoints: list[EndpointState], k: int) -> Result:
+    def run(self, cycle: Cycle, endpoints: list[EndpointState], k: int, commit: bool = True) -> Result:
+        """One cycle. With ``commit=False`` (explain) no plugin learns of the pick."""
         assert k >= 1, f"must pick at least one endpoint, asked for {k}"
         timer = self.timer
         for name, f in self.filters:
@@ -56,7 +57,7 @@ class Profile:
         pname, picker = self.picker
         chosen = picker.pick(totals, endpoints, k)
         assert chosen, f"picker {pname!r} returned nothing from {len(endpoints)} candidates"
-        for _, s, _ in self.scorers:
+        for _, s, _ in self.scorers if commit else ():
             if isinstance(s, PostPick):
                 s.picked(cycle, chosen[0])
         return Result(chosen=chosen, scores=totals, per_scorer=per_scorer, candidates=len(endpoints))

@@ -1,0 +1,234 @@
+"""``make run``: the embedded local stack — a real Envoy, the picker and N simulated replicas.
+
+    python -m replica.sim.stack --replicas 4 --policy cost
+
+Prints where to send requests, then a live status line per replica (requests, prefix-cache hit
+rate, queue) read from each replica's vLLM-style ``/metrics``. Ctrl-C (or SIGTERM) stops every
+child process group and waits for it, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PY = sys.executable
+ENVOY = str(pathlib.Path(PY).parent / "envoy")
+
+
+@dataclass
+class Children:
+    run_dir: pathlib.Path
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.run_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((name, proc))
+        return proc
+
+    def check(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                tail = (self.run_dir / f"{name}.log").read_text(errors="replace")[-1500:]
+                raise RuntimeError(f"{name} exited with {proc.returncode}; log tail:\n{tail}")
+
+    def stop(self) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def wait_port(port: int, children: Children, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children.check()
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"port {port} did not open within {timeout:.0f}s")
+
+
+def replica_status(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as resp:
+            text = resp.read().decode()
+    except OSError as exc:
+        return f"unreachable ({exc.__class__.__name__})"
+    v: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in (
+                "vllm:num_requests_running",
+                "vllm:num_requests_waiting",
+                "vllm:kv_cache_usage_perc",
+                "vllm:prefix_cache_queries_total",
+                "vllm:prefix_cache_hits_total",
+                "vllm:request_success_total",
+            ):
+                v[s.name] = v.get(s.name, 0.0) + s.value
+    q = v.get("vllm:prefix_cache_queries_total", 0.0)
+    hit = v.get("vllm:prefix_cache_hits_total", 0.0) / q if q else 0.0
+    return (
+        f"requests {int(v.get('vllm:request_success_total', 0)):>6}  hit rate {hit:6.1%}  "
+        f"running {int(v.get('vllm:num_requests_running', 0)):>3}  waiting {int(v.get('vllm:num_requests_waiting', 0)):>3}  "
+        f"kv {v.get('vllm:kv_cache_usage_perc', 0.0):5.1%}"
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m replica.sim.stack",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument(
+        "--policy", default="cost", help="picker policy: cost, weighted, round-robin, least-loaded"
+    )
+    p.add_argument("--port", type=int, default=8080, help="Envoy listener port")
+    p.add_argument("--base-port", type=int, default=8001, help="first replica port")
+    p.add_argument(
+        "--picker-port", type=int, default=9002, help="picker ext_proc port (+1 health; metrics 9090)"
+    )
+    p.add_argument("--metrics-port", type=int, default=9090)
+    p.add_argument("--admin-port", type=int, default=9901)
+    p.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
+    p.add_argument(
+        "--sim-args", default="", help="extra arguments for every replica, e.g. '--profile h100-llama3-8b'"
+    )
+    p.add_argument("--run-dir", default=str(ROOT / ".run"), help="logs and generated configs")
+    p.add_argument("--status-interval", type=float, default=1.0)
+    p.add_argument(
+        "--once", action="store_true", help="print one status block and keep running without redraws"
+    )
+    return p.parse_args(argv)
+
+
+def start(args: argparse.Namespace, children: Children) -> list[int]:
+    ports = [args.base_port + i for i in range(args.replicas)]
+    for i, port in enumerate(ports):
+        children.start(
+            f"replica-{i}",
+            [PY, "-m", "replica.sim", "--port", str(port), "--model", args.model, *args.sim_args.split()],
+        )
+    eps = ",".join(f"127.0.0.1:{p}" for p in ports)
+    children.start(
+        "picker",
+        [
+            PY,
+            "-m",
+            "picker",
+            "--endpoints",
+            eps,
+            "--policy",
+            args.policy,
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            str(args.picker_port),
+            "--grpc-health-port",
+            str(args.picker_port + 1),
+            "--metrics-port",
+            str(args.metrics_port),
+        ],
+    )
+    cfg = children.run_dir / "envoy.yaml"
+    subprocess.run(
+        [
+            PY,
+            str(ROOT / "deploy/envoy/render.py"),
+            "--listen-port",
+            str(args.port),
+            "--admin-port",
+            str(args.admin_port),
+            "--picker",
+            f"127.0.0.1:{args.picker_port}",
+            "--upstream",
+            "pool",
+            "--endpoints",
+            eps,
+            "-o",
+            str(cfg),
+        ],
+        check=True,
+    )
+    children.start("envoy", [ENVOY, "-c", str(cfg), "-l", "warning", "--base-id", str(args.port)])
+    for port in [*ports, args.metrics_port, args.picker_port, args.port]:
+        wait_port(port, children)
+    return ports
+
+
+def banner(args: argparse.Namespace, ports: list[int]) -> str:
+    return f"""
+kvpick local stack is up: Envoy :{args.port} → picker :{args.picker_port} (policy {args.policy}) → {len(ports)} simulated replicas :{ports[0]}-{ports[-1]}
+
+  curl -s http://127.0.0.1:{args.port}/v1/completions -H 'content-type: application/json' \\
+       -d '{{"model": "{args.model}", "prompt": "You are a helpful assistant. Hello!", "max_tokens": 16}}'
+
+  explain a pick:  curl -s 'http://127.0.0.1:{args.metrics_port}/debug/explain?path=/v1/completions' -d '{{"model": "{args.model}", "prompt": "..."}}'
+  picker metrics:  http://127.0.0.1:{args.metrics_port}/metrics      logs: {args.run_dir}/
+Ctrl-C stops everything.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run_dir = pathlib.Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    children = Children(run_dir)
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        ports = start(args, children)
+        print(banner(args, ports), flush=True)
+        tty = sys.stdout.isatty() and not args.once
+        drawn = False
+        while not stopping:
+            children.check()
+            lines = [f"  replica :{p}  {replica_status(p)}" for p in ports]
+            if tty and drawn:
+                sys.stdout.write(f"\x1b[{len(lines)}F")
+            if tty or not drawn:
+                sys.stdout.write("\n".join(f"{ln}\x1b[K" if tty else ln for ln in lines) + "\n")
+                sys.stdout.flush()
+                drawn = True
+            time.sleep(args.status_interval)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"\nstack failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        children.stop()
+        print("\nstopped: envoy, picker and replicas are down.", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
