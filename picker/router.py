@@ -57,6 +57,11 @@ class Ticket:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+def _ewma(current: float, observed: float, alpha: float) -> float:
+    """The first observation is taken as is (``current`` 0 means none yet)."""
+    return observed if current <= 0 else (1 - alpha) * current + alpha * observed
+
+
 class Router:
     def __init__(
         self,
@@ -131,9 +136,8 @@ class Router:
         if elapsed > 0 and work >= 256:  # short prefills are dominated by fixed overheads
             observed = work / elapsed
             a = self.cfg.rate_ewma_alpha
-            state.prefill_rate = (
-                observed if state.prefill_rate <= 0 else (1 - a) * state.prefill_rate + a * observed
-            )
+            state.prefill_rate = _ewma(state.prefill_rate, observed, a)
+            self.prefill_rate = _ewma(self.prefill_rate, observed, a)  # what the cost scorer reads
 
     def finish(self, ticket: Ticket) -> None:
         if ticket.done:

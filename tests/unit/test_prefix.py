@@ -10,7 +10,7 @@ from picker.prefix.hashing import MASK60, HashConfig, block_hashes, seed_for
 from picker.prefix.index import EndpointLRU, PrefixIndex
 
 SEED = seed_for("model")
-texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=600)
+texts = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=600)
 small_cfg = st.builds(HashConfig, block_size=st.integers(1, 32), max_blocks=st.integers(1, 64))
 
 

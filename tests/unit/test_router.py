@@ -1,0 +1,229 @@
+"""The router's hot path: cycle building, accounting, rate learning, index upkeep, policies."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+
+from picker.config import IndexConfig, RouterConfig
+from picker.endpoints.pool import Pool
+from picker.endpoints.types import Endpoint, EndpointMetrics, Health
+from picker.errors import NoEndpoints
+from picker.request import InferenceRequest
+from picker.router import Router, Ticket
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(n: int = 2, policy: str = "cost", **cfg_kw: object) -> tuple[Router, Pool, Clock]:
+    pool = Pool()
+    pool.set_endpoints([Endpoint("127.0.0.1", 8001 + i) for i in range(n)])
+    clock = Clock()
+    cfg = dataclasses.replace(RouterConfig(policy=policy), **cfg_kw)  # type: ignore[arg-type]
+    return Router(cfg, pool, clock=clock), pool, clock
+
+
+def req(text: str, **kw: object) -> InferenceRequest:
+    return InferenceRequest(model="m", routing_text=text, **kw)  # type: ignore[arg-type]
+
+
+def test_accounting_returns_to_zero_and_finish_is_idempotent() -> None:
+    router, pool, _ = make(3)
+    tickets = [router.start(router.route(req(f"prompt {i} " * 50))) for i in range(30)]
+    assert sum(s.in_flight_requests for s in pool) == 30
+    assert sum(s.in_flight_tokens for s in pool) == sum(t.prompt_tokens for t in tickets)
+    for i, t in enumerate(tickets):
+        if i % 2:
+            router.first_token(t)
+        router.finish(t)
+        router.finish(t)  # a second end (error after end-of-stream, reset after abort) is a no-op
+        router.first_token(t)  # and a late first byte changes nothing
+    for s in pool:
+        assert (s.in_flight_requests, s.in_flight_tokens, s.pending_prefill_tokens) == (0, 0, 0), s.key
+
+
+def test_cycle_estimates_tokens_and_cached_prefix() -> None:
+    router, _, _ = make(1)
+    text = "x" * 6400  # 100 blocks of 64 bytes, 1600 tokens at 4 chars/token
+    d = router.route(req(text))
+    assert (d.cycle.prompt_tokens, d.cycle.n_blocks, len(d.hashes)) == (1600, 100, 100)
+    router.finish(router.start(d))
+    d2 = router.route(req(text[:3200] + "y" * 3200))
+    assert d2.cycle.matches[d.primary.key] == 50
+    assert d2.cycle.cached_tokens(d.primary.key) == 800
+
+
+def test_token_id_prompts_use_the_id_count() -> None:
+    router, _, _ = make(1)
+    ids = tuple(range(1000, 1300))
+    d = router.route(req(" ".join(map(str, ids)), prompt_token_ids=ids))
+    assert d.cycle.prompt_tokens == 300
+    assert d.cycle.block_tokens == pytest.approx(300 / d.cycle.n_blocks)
+
+
+def test_first_token_feeds_the_prefill_rate_ewma() -> None:
+    router, _, clock = make(1)
+    t1 = router.start(router.route(req("a" * 4096)))  # 1024 uncached tokens
+    assert t1.uncached_tokens == 1024
+    clock.t += 0.5
+    router.first_token(t1)
+    assert router.prefill_rate == pytest.approx(2048.0), "first observation is taken as is"
+    assert t1.state.prefill_rate == pytest.approx(2048.0)
+    clock.t += 1.0
+    router.first_token(t1)  # only the first byte counts
+    router.finish(t1)
+    assert router.prefill_rate == pytest.approx(2048.0)
+
+    t2 = router.start(router.route(req("b" * 2048)))  # 512 uncached tokens, nothing queued
+    clock.t += 0.125
+    router.first_token(t2)
+    router.finish(t2)
+    assert router.prefill_rate == pytest.approx(0.8 * 2048 + 0.2 * 4096)
+    assert router.route(req("c")).cycle.prefill_rate == pytest.approx(router.prefill_rate)
+
+    t3 = router.start(router.route(req("c" * 400)))  # 100 tokens: too short to measure a rate
+    clock.t += 10.0
+    router.first_token(t3)
+    router.finish(t3)
+    assert router.prefill_rate == pytest.approx(0.8 * 2048 + 0.2 * 4096)
+
+
+def test_queued_work_counts_towards_the_observed_rate() -> None:
+    router, _, clock = make(1)
+    t1 = router.start(router.route(req("a" * 4096)))
+    t2 = router.start(router.route(req("b" * 4096)))
+    assert t2.queued_tokens == 1024, "t1's uncached tokens were pending when t2 was sent"
+    assert t1.state.pending_prefill_tokens == 2048
+    clock.t += 1.0
+    router.first_token(t2)
+    assert router.prefill_rate == pytest.approx(2048.0)
+    router.finish(t1)
+    router.finish(t2)
+    assert t1.state.pending_prefill_tokens == 0
+
+
+def test_pool_removal_drops_index_entries() -> None:
+    router, pool, _ = make(2, policy="round-robin")
+    for i in range(4):
+        router.finish(router.start(router.route(req(f"doc {i} " * 100))))
+    assert router.index.size("127.0.0.1:8001") > 0 and router.index.size("127.0.0.1:8002") > 0
+    pool.set_endpoints([Endpoint("127.0.0.1", 8002)])
+    assert router.index.size("127.0.0.1:8001") == 0 and "127.0.0.1:8001" not in list(router.index.keys())
+    assert router.index.size("127.0.0.1:8002") > 0
+
+
+def test_refresh_capacity_from_cache_config() -> None:
+    router, pool, _ = make(1)
+    state = next(iter(pool))
+    router.refresh_capacity(state)  # nothing scraped yet: default capacity stays
+    state.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=1000)
+    router.refresh_capacity(state)
+    # 16 tokens * 1000 blocks * 4 chars/token / 64 bytes per hash block = 1000 hash blocks
+    lru = router.index._lrus[state.key]
+    assert lru.capacity == 1000
+    router.index.record(state.key, list(range(5000)))
+    assert router.index.size(state.key) <= 1000
+
+    off, pool2, _ = make(1, index=IndexConfig(derive_capacity=False))
+    s2 = next(iter(pool2))
+    s2.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=1000)
+    off.refresh_capacity(s2)
+    assert s2.key not in list(off.index.keys()), "derive_capacity=False keeps the configured default"
+
+
+def _decoding(router: Router, r: InferenceRequest) -> Ticket:
+    """Send ``r`` and let its prefill finish; it stays in flight (decoding)."""
+    t = router.start(router.route(r))
+    router.first_token(t)
+    return t
+
+
+def test_hot_prefix_spills_under_cost_once_load_builds_up() -> None:
+    """One hot prefix, requests held in flight (decoding): the cost policy keeps it on the endpoint
+    that has it until the load guard trips (9 in flight vs 0: limit max(0 * 1.5, 0 + 8) = 8), then
+    the prefix spills to the second endpoint, which caches it too and shares the load."""
+    router, pool, _ = make(2, policy="cost")
+    hot = "You are a helpful assistant. " * 400
+    tickets = [_decoding(router, req(hot + f" question {i}")) for i in range(40)]
+    targets = [t.state.key for t in tickets]
+    assert len(set(targets[:9])) == 1, f"the first nine share one endpoint: {targets[:9]}"
+    assert targets[9] != targets[0], "the tenth spills"
+    counts = Counter(targets)
+    assert len(counts) == 2 and min(counts.values()) >= 15, f"both share the hot prefix: {counts}"
+    for t in tickets:
+        router.finish(t)
+    assert all(s.in_flight_requests == 0 for s in pool)
+
+
+def test_in_flight_prefill_counts_as_queued_work() -> None:
+    """A hot prompt whose first prefill has not finished is not cached yet: waiting behind it costs
+    as much as computing it elsewhere, so the cost policy does not pile onto the first endpoint."""
+    router, _, _ = make(2, policy="cost")
+    hot = "You are a helpful assistant. " * 400
+    first = router.start(router.route(req(hot + "0")))
+    second = router.start(router.route(req(hot + "1")))
+    assert first.state is not second.state and second.matched_blocks == 0
+
+
+def test_hot_prefix_sticks_when_requests_complete() -> None:
+    router, _, _ = make(4, policy="cost")
+    hot = "shared system prompt " * 300
+    keys = set()
+    for i in range(50):
+        d = router.route(req(hot + str(i)))
+        keys.add(d.primary.key)
+        router.finish(router.start(d))
+    assert len(keys) == 1, f"no load builds up, so the prefix stays put: {keys}"
+
+
+def test_round_robin_ignores_prefixes() -> None:
+    router, _, _ = make(3, policy="round-robin")
+    hot = "same prompt " * 300
+    keys = []
+    for _ in range(6):
+        d = router.route(req(hot))
+        keys.append(d.primary.key)
+        router.finish(router.start(d))
+    assert keys == ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"] * 2
+
+
+def test_distinct_prefixes_spread_under_cost() -> None:
+    router, _, _ = make(4, policy="cost")
+    keys = Counter(
+        router.start(router.route(req(f"{i} unique document " * 200))).state.key for i in range(40)
+    )
+    assert len(keys) == 4, f"cold prompts do not pile onto one endpoint: {keys}"
+
+
+def test_no_endpoint_raises_503() -> None:
+    router, pool, _ = make(2)
+    for s in pool:
+        s.health = Health.UNREACHABLE
+    with pytest.raises(NoEndpoints) as info:
+        router.route(req("x"))
+    assert info.value.status == 503
+    pool.set_endpoints([])
+    with pytest.raises(NoEndpoints):
+        router.route(req("x"))
+
+
+def test_explain_has_no_side_effects() -> None:
+    router, pool, _ = make(2)
+    hot = "explain me " * 100
+    router.finish(router.start(router.route(req(hot))))
+    sizes = router.index.size()
+    out = router.explain(req(hot, session_id="s"))
+    assert out["policy"] == "cost" and out["blocks"] == 18
+    endpoints = out["endpoints"]
+    assert isinstance(endpoints, dict) and set(endpoints) == {s.key for s in pool}
+    assert router.index.size() == sizes and all(s.in_flight_requests == 0 for s in pool)
+    chosen = out["chosen"]
+    assert isinstance(chosen, list) and endpoints[chosen[0]]["matched_blocks"] == 18

@@ -1,0 +1,308 @@
+"""Scheduling plugins on hand-built endpoint states (table-driven, one case per row)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from picker.config import build_profile
+from picker.endpoints.types import Endpoint, EndpointMetrics, EndpointState, Health
+from picker.errors import NoEndpoints, Overloaded
+from picker.request import InferenceRequest
+from picker.scheduling.cost import CostScorer
+from picker.scheduling.filters import LoadGuardFilter, NotSaturatedFilter, ReadyFilter
+from picker.scheduling.pickers import MaxScorePicker, RandomPicker, RoundRobinPicker
+from picker.scheduling.profile import BUILTIN_POLICIES
+from picker.scheduling.registry import make_filter, make_picker, make_scorer
+from picker.scheduling.scorers import (
+    InFlightTokensScorer,
+    KVCacheScorer,
+    LeastLoadedScorer,
+    LoraAffinityScorer,
+    PrefixScorer,
+    QueueScorer,
+    SessionAffinityScorer,
+)
+from picker.scheduling.types import Cycle
+
+
+def ep(port: int, **kw: Any) -> EndpointState:
+    """An endpoint on 10.0.0.1:<port>; metric fields (waiting, kv_usage, ...) go to its metrics."""
+    metric_names = set(EndpointMetrics.__dataclass_fields__)
+    metrics = EndpointMetrics(**{k: v for k, v in kw.items() if k in metric_names})
+    state_kw = {k: v for k, v in kw.items() if k not in metric_names}
+    return EndpointState(Endpoint("10.0.0.1", port), metrics=metrics, **state_kw)
+
+
+def cycle(
+    matches: dict[str, int] | None = None,
+    n_blocks: int = 10,
+    prompt_tokens: int = 160,
+    lora: str = "",
+    session: str = "",
+    prefill_rate: float = 0.0,
+) -> Cycle:
+    req = InferenceRequest(model="m", routing_text="", lora=lora, session_id=session)
+    return Cycle(req, prompt_tokens, 16.0, n_blocks, matches or {}, 0.0, prefill_rate)
+
+
+def ports(endpoints: list[EndpointState]) -> list[int]:
+    return [e.endpoint.port for e in endpoints]
+
+
+# ---- filters -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("healths", "kept"),
+    [
+        ([Health.READY, Health.UNREACHABLE, Health.DEGRADED, Health.UNKNOWN], [1, 3, 4]),
+        ([Health.UNREACHABLE], []),
+    ],
+)
+def test_ready_filter(healths: list[Health], kept: list[int]) -> None:
+    eps = [ep(i + 1, health=h) for i, h in enumerate(healths)]
+    assert ports(ReadyFilter().filter(cycle(), eps)) == kept
+
+
+@pytest.mark.parametrize(
+    ("metrics", "kept"),
+    [
+        ([{"waiting": 0}, {"waiting": 63}, {"waiting": 64}], [1, 2]),
+        ([{"kv_usage": 0.99, "waiting": 0}, {"kv_usage": 0.99, "waiting": 1}], [1]),
+        ([{"kv_usage": 0.5, "waiting": 10}, {"kv_usage": 0.98, "waiting": 2}], [1]),
+    ],
+)
+def test_not_saturated_filter(metrics: list[dict[str, float]], kept: list[int]) -> None:
+    eps = [ep(i + 1, **m) for i, m in enumerate(metrics)]
+    assert ports(NotSaturatedFilter().filter(cycle(), eps)) == kept
+
+
+def test_not_saturated_sheds_with_429_when_all_saturated() -> None:
+    eps = [ep(1, waiting=64), ep(2, kv_usage=1.0, waiting=1)]
+    with pytest.raises(Overloaded, match="all 2 endpoints are saturated") as info:
+        NotSaturatedFilter().filter(cycle(), eps)
+    assert info.value.status == 429
+    assert ports(NotSaturatedFilter(shed=False).filter(cycle(), eps)) == [1, 2], "no shed: keep all"
+    assert NotSaturatedFilter().filter(cycle(), []) == []
+
+
+@pytest.mark.parametrize(
+    ("loads", "kept"),
+    [
+        ([0, 8, 9], [1, 2]),  # limit max(0 * 1.5, 0 + 8) = 8
+        ([20, 30, 31], [1, 2]),  # limit max(30, 28) = 30
+        ([100, 150, 151], [1, 2]),  # limit max(150, 108) = 150
+        ([5, 5, 5], [1, 2, 3]),
+    ],
+)
+def test_load_guard_filter_by_in_flight(loads: list[int], kept: list[int]) -> None:
+    eps = [ep(i + 1, in_flight_requests=n) for i, n in enumerate(loads)]
+    assert ports(LoadGuardFilter().filter(cycle(), eps)) == kept
+
+
+def test_load_guard_uses_scraped_load_when_larger() -> None:
+    eps = [ep(1, running=3, waiting=20), ep(2, in_flight_requests=2)]
+    assert ports(LoadGuardFilter().filter(cycle(), eps)) == [2]
+    single = [ep(1, waiting=1000)]
+    assert LoadGuardFilter().filter(cycle(), single) == single, "never filters the last candidate"
+
+
+# ---- scorers -------------------------------------------------------------------------------------
+
+
+def test_prefix_scorer() -> None:
+    eps = [ep(1), ep(2), ep(3)]
+    got = PrefixScorer().score(cycle({"10.0.0.1:1": 10, "10.0.0.1:2": 5}, n_blocks=10), eps)
+    assert got == {"10.0.0.1:1": 1.0, "10.0.0.1:2": 0.5, "10.0.0.1:3": 0.0}
+    assert PrefixScorer().score(cycle(n_blocks=0), eps) == dict.fromkeys(got, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("scorer", "states", "expected"),
+    [
+        (QueueScorer(), [{"waiting": 0}, {"waiting": 5}, {"waiting": 10}], [1.0, 0.5, 0.0]),
+        (QueueScorer(), [{"waiting": 3}, {"waiting": 3}], [1.0, 1.0]),
+        (KVCacheScorer(), [{"kv_usage": 0.25}, {"kv_usage": 1.5}, {"kv_usage": -1}], [0.75, 0.0, 1.0]),
+        (InFlightTokensScorer(), [{"in_flight_tokens": 100}, {"in_flight_tokens": 300}], [1.0, 0.0]),
+        (
+            LeastLoadedScorer(),
+            [{"in_flight_requests": 4}, {"running": 2, "waiting": 6}, {"in_flight_requests": 0}],
+            [0.5, 0.0, 1.0],
+        ),
+    ],
+)
+def test_load_scorers(scorer: Any, states: list[dict[str, Any]], expected: list[float]) -> None:
+    eps = [ep(i + 1, **s) for i, s in enumerate(states)]
+    got = scorer.score(cycle(), eps)
+    assert [got[e.key] for e in eps] == pytest.approx(expected)
+
+
+def test_lora_affinity_scorer() -> None:
+    eps = [
+        ep(1, running_loras=frozenset({"a"}), max_lora=2),
+        ep(2, waiting_loras=frozenset({"a"}), running_loras=frozenset({"b", "c"}), max_lora=2),
+        ep(3, running_loras=frozenset({"b"}), max_lora=2),
+        ep(4, running_loras=frozenset({"b", "c"}), max_lora=2),
+    ]
+    got = LoraAffinityScorer().score(cycle(lora="a"), eps)
+    assert [got[e.key] for e in eps] == [1.0, 0.8, 0.5, 0.0]
+    assert set(LoraAffinityScorer().score(cycle(), eps).values()) == {1.0}, "base model: no preference"
+
+
+def test_session_affinity_scorer_remembers_bounded() -> None:
+    s = SessionAffinityScorer(max_sessions=2)
+    eps = [ep(1), ep(2)]
+    assert set(s.score(cycle(session="x"), eps).values()) == {0.0}
+    s.picked(cycle(session="x"), eps[1])
+    assert s.score(cycle(session="x"), eps) == {"10.0.0.1:1": 0.0, "10.0.0.1:2": 1.0}
+    s.picked(cycle(session="y"), eps[0])
+    s.picked(cycle(session="z"), eps[0])
+    assert set(s.score(cycle(session="x"), eps).values()) == {0.0}, "oldest session forgotten"
+    s.picked(cycle(), eps[0])
+    assert len(s._last) == 2, "requests without a session are not remembered"
+
+
+# ---- the cost scorer -----------------------------------------------------------------------------
+# est(e) = (max(pending, waiting * 512) + prompt - cached) / rate + max(running, in_flight) * 0.0005
+#          + 0.005, with the pool-wide rate (default 10,000 tokens/s until observed).
+# Prompt 8192 tokens, A holds 256 blocks * 16 tokens = 4096 of them, B none:
+#   est(A) = (q_A + 4096) / 1e4 + 0.005,  est(B) = 8192 / 1e4 + 0.005,
+# so A wins exactly while its queued work q_A < 4096 tokens: pending 4095 → A, 4097 → B; by the
+# waiting queue, 7 * 512 = 3584 → A, 9 * 512 = 4608 → B (8 * 512 = 4096 is the tie).
+
+A, B = "10.0.0.1:1", "10.0.0.1:2"
+HOT = {A: 256}
+
+
+def _cost_pick(a: EndpointState, b: EndpointState, rate: float = 0.0) -> int:
+    cyc = cycle(HOT, n_blocks=512, prompt_tokens=8192, prefill_rate=rate)
+    scores = CostScorer().score(cyc, [a, b])
+    assert max(scores.values()) == 1.0
+    return 1 if scores[A] > scores[B] else 2
+
+
+@pytest.mark.parametrize(
+    ("a_state", "winner"),
+    [
+        ({}, 1),
+        ({"pending_prefill_tokens": 4095}, 1),
+        ({"pending_prefill_tokens": 4097}, 2),
+        ({"waiting": 7}, 1),
+        ({"waiting": 9}, 2),
+        ({"running": 8}, 1),  # the decode term: 8 * 0.0005 = 0.004 s < the 0.4096 s prefill saved
+        ({"in_flight_requests": 818}, 1),  # 818 * 0.0005 = 0.409 s < 0.4096 s
+        ({"in_flight_requests": 820}, 2),  # 0.410 s > 0.4096 s
+    ],
+)
+def test_cost_crossover(a_state: dict[str, Any], winner: int) -> None:
+    assert _cost_pick(ep(1, **a_state), ep(2)) == winner
+
+
+@pytest.mark.parametrize(("rate", "pending", "winner"), [(1000.0, 4095, 1), (1000.0, 4097, 2)])
+def test_cost_crossover_does_not_depend_on_the_rate(rate: float, pending: int, winner: int) -> None:
+    """Queued and uncached work are divided by the same pool-wide rate: the crossover stays at
+    q_A = 4096 tokens whatever the rate."""
+    assert _cost_pick(ep(1, pending_prefill_tokens=pending), ep(2), rate) == winner
+
+
+def test_cost_estimate_by_hand() -> None:
+    cyc = cycle(HOT, n_blocks=512, prompt_tokens=8192, prefill_rate=2000.0)
+    a = ep(1, waiting=2, running=3, in_flight_requests=5)
+    # queued = max(0, 2 * 512) = 1024; uncached = 8192 - 4096; running = max(3, 5)
+    expected = (1024 + 4096) / 2000 + 5 * 0.0005 + 0.005
+    assert CostScorer().estimate(cyc, a) == pytest.approx(expected)
+    assert CostScorer().estimates(cyc, [a])[A] == pytest.approx(expected)
+
+
+# ---- pickers -------------------------------------------------------------------------------------
+
+
+def test_max_score_orders_by_score() -> None:
+    eps = [ep(1), ep(2), ep(3)]
+    scores = {"10.0.0.1:1": 0.1, "10.0.0.1:2": 0.9, "10.0.0.1:3": 0.5}
+    assert ports(MaxScorePicker(seed=1).pick(scores, eps, 3)) == [2, 3, 1]
+    assert ports(MaxScorePicker(seed=1).pick(scores, eps, 1)) == [2]
+
+
+def test_max_score_tie_break_is_random() -> None:
+    eps = [ep(1), ep(2), ep(3)]
+    scores = {"10.0.0.1:1": 1.0, "10.0.0.1:2": 1.0, "10.0.0.1:3": 0.2}
+    picker = MaxScorePicker(seed=7)
+    firsts = Counter(picker.pick(scores, eps, 2)[0].endpoint.port for _ in range(400))
+    assert set(firsts) == {1, 2}, f"both tied endpoints win sometimes, got {firsts}"
+    assert min(firsts.values()) > 100, f"ties split roughly evenly, got {firsts}"
+    assert all(ports(picker.pick(scores, eps, 3))[2] == 3 for _ in range(50))
+
+
+def test_round_robin_cycles_in_key_order() -> None:
+    eps = [ep(3), ep(1), ep(2)]
+    rr = RoundRobinPicker()
+    firsts = [rr.pick({}, eps, 1)[0].endpoint.port for _ in range(6)]
+    assert firsts == [1, 2, 3, 1, 2, 3]
+    assert ports(rr.pick({}, eps, 3)) == [1, 2, 3]
+
+
+def test_random_picker_distinct() -> None:
+    eps = [ep(1), ep(2), ep(3)]
+    got = RandomPicker(seed=3).pick({}, eps, 5)
+    assert sorted(ports(got)) == [1, 2, 3]
+
+
+# ---- registry and profiles -----------------------------------------------------------------------
+
+
+def test_registry_rejects_unknown_names_and_params() -> None:
+    with pytest.raises(ValueError, match=r"unknown scorer plugin 'nope'; known: .*prefix"):
+        make_scorer("nope")
+    with pytest.raises(ValueError, match="unknown filter plugin 'x'"):
+        make_filter("x")
+    with pytest.raises(ValueError, match="unknown picker plugin 'best'"):
+        make_picker("best")
+    with pytest.raises(ValueError, match=r"filter 'not-saturated': unknown params \['max_wait'\]"):
+        make_filter("not-saturated", {"max_wait": 3})
+    with pytest.raises(ValueError, match=r"unknown params \['_rng'\]"):
+        make_picker("max-score", {"_rng": None})
+
+
+def test_registry_applies_params() -> None:
+    f = make_filter("not-saturated", {"max_waiting": 3})
+    assert isinstance(f, NotSaturatedFilter) and f.max_waiting == 3
+    c = make_scorer("cost", {"default_rate": 123.0})
+    assert isinstance(c, CostScorer) and c.default_rate == 123.0
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_POLICIES))
+def test_builtin_policies_build_and_pick(name: str) -> None:
+    profile = build_profile(name, BUILTIN_POLICIES[name])
+    eps = [ep(1), ep(2, health=Health.UNREACHABLE), ep(3)]
+    result = profile.run(cycle(), eps, 2)
+    assert 2 not in ports(result.chosen) and len(result.chosen) == 2
+
+
+def test_profile_clamps_weights_and_records_timings() -> None:
+    timings: list[str] = []
+    spec = {"scorers": [{"type": "prefix", "weight": 3}, {"type": "queue", "weight": 2}]}
+    profile = build_profile("p", spec)
+    profile.timer = lambda name, dt: timings.append(name)
+    eps = [ep(1, waiting=10), ep(2)]
+    result = profile.run(cycle({A: 10}, n_blocks=10), eps, 1)
+    assert result.scores == {A: 3.0, B: 2.0}
+    assert ports(result.chosen) == [1] and timings == ["prefix", "queue"]
+
+
+def test_profile_raises_when_filters_leave_nothing() -> None:
+    profile = build_profile("cost", BUILTIN_POLICIES["cost"])
+    with pytest.raises(NoEndpoints, match="filter 'ready' left none"):
+        profile.run(cycle(), [ep(1, health=Health.UNREACHABLE)], 1)
+    with pytest.raises(Overloaded):
+        profile.run(cycle(), [ep(1, waiting=100), ep(2, waiting=100)], 1)
+
+
+def test_profile_rejects_misspelt_keys() -> None:
+    with pytest.raises(ValueError, match="wieght"):
+        build_profile("p", {"scorers": [{"type": "prefix", "wieght": 3}]})
+    with pytest.raises(ValueError, match="scorer"):
+        build_profile("p", {"scorer": [{"type": "prefix"}]})

