@@ -16,6 +16,16 @@ Upstreams:
   picker did not answer are round-robined over the pool.
 
 Both strip a client-sent ``x-gateway-destination-endpoint`` before ext_proc runs.
+
+Fail-open defaults to BUFFERED bodies: in FULL_DUPLEX_STREAMED mode Envoy streams body bytes to
+the processor before it learns the processor is unreachable, and then answers 500 even with
+``failure_mode_allow`` (seen with Envoy 1.40). BUFFERED holds the body until the headers are
+answered, so a dead picker is detected first and the request goes on without it.
+
+Fail-open defaults to BUFFERED bodies: in FULL_DUPLEX_STREAMED mode Envoy streams body bytes to
+the processor before it knows the processor is unreachable, and then answers 500 even with
+``failure_mode_allow`` (seen with Envoy 1.40). BUFFERED holds the body until the headers are
+answered, so a dead picker is detected first and the request goes on without it.
 """
 
 from __future__ import annotations
@@ -245,18 +255,22 @@ def main(argv: list[str] | None = None) -> int:
         help="close: reject when the picker is down; open: route without it",
     )
     p.add_argument(
-        "--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"], default="FULL_DUPLEX_STREAMED"
+        "--body-mode",
+        choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],
+        default=None,
+        help="default: FULL_DUPLEX_STREAMED for fail-close, BUFFERED for fail-open (see the module doc)",
     )
     p.add_argument("--upstream", choices=["original-dst", "pool"], default="original-dst")
     p.add_argument("--endpoints", default="", help="ip:port,... (needed for --upstream pool)")
     p.add_argument("-o", "--output", default="-")
     a = p.parse_args(argv)
+    body_mode = a.body_mode or ("BUFFERED" if a.failure_mode == "open" else "FULL_DUPLEX_STREAMED")
     doc = render(
         a.listen_port,
         a.picker,
         not a.plaintext,
         a.failure_mode == "open",
-        a.body_mode,
+        body_mode,
         a.upstream,
         [e for e in a.endpoints.split(",") if e],
         a.admin_port,

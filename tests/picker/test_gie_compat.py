@@ -100,3 +100,25 @@ def test_explain_reports_scores_and_estimates(envoy_stack: Stack) -> None:
     assert eps[best]["ttft_estimate_s"] == min(e["ttft_estimate_s"] for e in eps.values())
     status, body = post_json(f"http://127.0.0.1:{envoy_stack.metrics_port}/debug/explain", {"prompt": "x"})
     assert status == 400
+
+
+def test_committed_envoy_config_is_the_default_rendering(tmp_path: pathlib.Path) -> None:
+    import subprocess
+
+    from tests.support.procs import PY, ROOT
+
+    out = tmp_path / "envoy.yaml"
+    subprocess.run([PY, str(ROOT / "deploy/envoy/render.py"), "-o", str(out)], check=True)
+    assert out.read_text() == (ROOT / "deploy/envoy/envoy.yaml").read_text(), (
+        "deploy/envoy/envoy.yaml is stale: run `python deploy/envoy/render.py -o deploy/envoy/envoy.yaml`"
+    )
+    text = out.read_text()
+    for needle in (
+        "ORIGINAL_DST",
+        "use_http_header: true",
+        "FULL_DUPLEX_STREAMED",
+        "allow_mode_override: true",
+        "remove: x-gateway-destination-endpoint",
+        "timeout: 10s",
+    ):
+        assert needle in text, needle
