@@ -11,8 +11,8 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from picker import request as request_mod
-from picker.errors import BadRequest, PickerError
+from picker import explain as explain_mod
+from picker.errors import PickerError
 from picker.router import Router
 from picker.telemetry import Telemetry
 
@@ -25,14 +25,15 @@ def make_app(router: Router, telemetry: Telemetry) -> web.Application:
 
     async def explain(req: web.Request) -> web.Response:
         body = await req.read()
-        policy = req.query.get("policy") or None
         try:
-            if policy is not None and policy not in router.profiles:
-                raise BadRequest(f"unknown policy {policy!r}; known: {sorted(router.profiles)}")
-            parsed, _ = request_mod.parse(
-                body, req.query.get("path", "/v1/completions"), dict(req.headers), router.cfg.lora_adapters
+            doc = explain_mod.explain(
+                router,
+                req.query.get("path", ""),
+                body,
+                req.query.get("policy", ""),
+                {k.lower(): v for k, v in req.headers.items()},
             )
-            return web.json_response(router.explain(parsed, policy))
+            return web.json_response(doc)
         except PickerError as err:
             return web.json_response({"error": {"message": err.message, "type": err.kind}}, status=err.status)
 

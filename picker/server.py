@@ -13,9 +13,11 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from picker._proto.kvpick.v1 import explain_pb2_grpc
 from picker.config import RouterConfig
 from picker.endpoints.pool import Pool
 from picker.endpoints.types import EndpointProvider, EndpointState
+from picker.explain import ExplainService
 from picker.extproc import FULL_DUPLEX, ExtProcService
 from picker.http import make_app
 from picker.router import Router
@@ -78,6 +80,7 @@ class PickerServer:
             ExtProcService(self.router, self.telemetry, self.opts.default_body_mode), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        explain_pb2_grpc.add_ExplainServicer_to_server(ExplainService(self.router), server)
         addr = f"{self.opts.host}:{self.opts.grpc_port}"
         if self.opts.secure_serving:
             server.add_secure_port(

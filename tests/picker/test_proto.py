@@ -1,0 +1,49 @@
+"""kvpick's own gRPC API: generated code is fresh, and Explain answers over the TLS ext_proc port."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import ssl
+
+import grpc
+import pytest
+
+from picker._proto.kvpick.v1 import explain_pb2, explain_pb2_grpc
+from tests.support.procs import ROOT, Stack, post_json
+
+
+def test_generated_code_is_fresh(tmp_path: pathlib.Path) -> None:
+    from proto.__main__ import generate
+
+    fresh = generate(tmp_path)
+    assert fresh, "no .proto files compiled"
+    for path in fresh:
+        rel = path.relative_to(tmp_path)
+        committed = ROOT / rel
+        assert committed.exists(), f"{rel} is not committed: run `python -m proto`"
+        assert committed.read_bytes() == path.read_bytes(), f"{rel} is stale: run `python -m proto`"
+
+
+@pytest.mark.envoy
+def test_grpc_explain_matches_http_explain(envoy_stack: Stack) -> None:
+    doc = {"model": "m", "prompt": "An explainable prompt that spans a few blocks of text. " * 8}
+    post_json(envoy_stack.url + "/v1/completions", doc)
+    pem = ssl.get_server_certificate(("127.0.0.1", envoy_stack.grpc_port)).encode()
+    creds = grpc.ssl_channel_credentials(root_certificates=pem)
+    opts = (("grpc.ssl_target_name_override", "kvpick-picker"),)
+    with grpc.secure_channel(f"127.0.0.1:{envoy_stack.grpc_port}", creds, options=opts) as ch:
+        stub = explain_pb2_grpc.ExplainStub(ch)
+        resp = stub.Explain(
+            explain_pb2.ExplainRequest(path="/v1/completions", body=json.dumps(doc).encode()), timeout=10
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Explain(explain_pb2.ExplainRequest(body=b"{not json"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    status, http_doc = post_json(f"http://127.0.0.1:{envoy_stack.metrics_port}/debug/explain", doc)
+    assert status == 200
+    assert list(resp.chosen) == http_doc["chosen"]
+    by_key = {e.endpoint: e for e in resp.endpoints}
+    for key, e in http_doc["endpoints"].items():
+        assert by_key[key].matched_blocks == e["matched_blocks"]
+    assert max(e.matched_blocks for e in resp.endpoints) > 0
