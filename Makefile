@@ -29,7 +29,7 @@ $(STAMP): $(STAMP_CORE)
 	touch $@
 
 # Picker only (no torch, no vllm): what the picker image installs.
-install-picker:  ## no proto step: the picker imports no generated code at run time
+install-picker:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e .
 
@@ -61,4 +61,4 @@ kind-test:
 	bash deploy/kind/e2e.sh
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis picker/_proto
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
