@@ -90,7 +90,7 @@ class Router:
             prompt_tokens = len(req.prompt_token_ids)
         else:
             prompt_tokens = max(1, int(len(text) / self.cfg.index.chars_per_token))
-        matches = {e.key: self.index.match(e.key, hashes) for e in candidates}
+        matches = self.index.match_many([e.key for e in candidates], hashes)
         block_tokens = (
             prompt_tokens / len(hashes) if req.prompt_token_ids is not None and hashes else self._block_tokens
         )

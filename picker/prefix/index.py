@@ -38,15 +38,22 @@ class EndpointLRU:
         return any(h in g for g in reversed(self.gens))
 
     def match(self, hashes: Sequence[int]) -> int:
-        """Number of leading ``hashes`` present (stops at the first miss)."""
+        """Number of leading ``hashes`` present (stops at the first miss).
+
+        Hot path (once per endpoint per request): the newest segment is probed first, and the
+        older ones with a plain loop rather than a generator, so a miss costs a few lookups."""
         gens = self.gens
         newest = gens[-1]
+        older = gens[-2::-1]
         n = 0
         for h in hashes:
-            if h in newest or any(h in g for g in gens):
-                n += 1
-            else:
-                break
+            if h not in newest:
+                for g in older:
+                    if h in g:
+                        break
+                else:
+                    return n
+            n += 1
         return n
 
     def record(self, hashes: Iterable[int]) -> None:
@@ -90,6 +97,27 @@ class PrefixIndex:
     def match(self, key: str, hashes: Sequence[int]) -> int:
         lru = self._lrus.get(key)
         return lru.match(hashes) if lru is not None else 0
+
+    def match_many(self, keys: Iterable[str], hashes: Sequence[int]) -> dict[str, int]:
+        """``{key: match(key, hashes)}`` for every key. Most endpoints miss on the first block,
+        so that probe is done inline before the full walk."""
+        if not hashes:
+            return dict.fromkeys(keys, 0)
+        first = hashes[0]
+        lrus = self._lrus
+        out: dict[str, int] = {}
+        for key in keys:
+            lru = lrus.get(key)
+            if lru is None:
+                out[key] = 0
+                continue
+            for g in lru.gens:
+                if first in g:
+                    out[key] = lru.match(hashes)
+                    break
+            else:
+                out[key] = 0
+        return out
 
     def record(self, key: str, hashes: Sequence[int]) -> None:
         lru = self._lrus.get(key)
