@@ -70,14 +70,17 @@ def immediate(err: PickerError) -> pb.ProcessingResponse:
     )
 
 
-def body_chunks(body: bytes, kind: str) -> Iterator[pb.ProcessingResponse]:
-    """``body`` as StreamedBodyResponse messages of at most MAX_CHUNK bytes; the last has EOS."""
+def body_chunks(body: bytes, kind: str, eos: bool = True) -> Iterator[pb.ProcessingResponse]:
+    """``body`` as StreamedBodyResponse messages of at most MAX_CHUNK bytes; the last carries
+    ``end_of_stream=eos`` (false when trailers end the stream instead)."""
     view = memoryview(body)
     n = len(body)
     starts = range(0, n, MAX_CHUNK) if n else range(1)
     for start in starts:
         last = start + MAX_CHUNK >= n
-        streamed = pb.StreamedBodyResponse(body=bytes(view[start : start + MAX_CHUNK]), end_of_stream=last)
+        streamed = pb.StreamedBodyResponse(
+            body=bytes(view[start : start + MAX_CHUNK]), end_of_stream=last and eos
+        )
         common = pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
         yield pb.ProcessingResponse(**{kind: pb.BodyResponse(response=common)})
 
@@ -127,10 +130,10 @@ class Exchange:
         return self._finish_request_body()
 
     def on_request_trailers(self) -> list[pb.ProcessingResponse]:
-        out = [] if self.picked else self._finish_request_body()
+        out = [] if self.picked else self._finish_request_body(eos=False)
         return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
 
-    def _finish_request_body(self) -> list[pb.ProcessingResponse]:
+    def _finish_request_body(self, eos: bool = True) -> list[pb.ProcessingResponse]:
         body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
         self.chunks = []
         new_body = self._pick(body)
@@ -138,7 +141,7 @@ class Exchange:
             out = new_body if new_body is not None else body
             return [
                 self._headers_response(len(out) if new_body is not None else None),
-                *body_chunks(out, "request_body"),
+                *body_chunks(out, "request_body", eos),
             ]
         common = self._mutation(body_len=len(new_body) if new_body is not None else None)
         if new_body is not None:
