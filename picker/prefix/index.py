@@ -58,18 +58,20 @@ class EndpointLRU:
 
     def record(self, hashes: Iterable[int]) -> None:
         """Insert or refresh ``hashes`` as most recently used."""
-        gens = self.gens
+        gens, seg_cap = self.gens, self.seg_cap
+        newest, older = gens[-1], gens[-2::-1]  # a refreshed block is likeliest in the newer ones
         for h in hashes:
-            newest = gens[-1]
             if h in newest:
                 continue
-            for g in gens[:-1]:
-                if g.pop(h, 0) is None:
+            for g in older:
+                if g.pop(h, 0) is None:  # stored values are None; 0 means absent
                     break
             newest[h] = None
-            if len(newest) >= self.seg_cap:
+            if len(newest) >= seg_cap:
                 gens.pop(0)
-                gens.append({})
+                newest = {}
+                gens.append(newest)
+                older = gens[-2::-1]
         assert len(self) <= self.capacity, f"LRU holds {len(self)} blocks > capacity {self.capacity}"
 
     def resize(self, capacity: int) -> None:
