@@ -21,8 +21,9 @@ from picker.config import RouterConfig, build_profile
 from picker.endpoints.pool import Pool
 from picker.endpoints.types import EndpointState
 from picker.errors import NoEndpoints
-from picker.prefix.hashing import block_hashes, seed_for
+from picker.prefix.hashing import seed_for
 from picker.prefix.index import PrefixIndex
+from picker.prefix.memo import HashMemo
 from picker.request import InferenceRequest
 from picker.scheduling.cost import CostScorer
 from picker.scheduling.profile import PluginTimer, Profile, Result
@@ -74,6 +75,7 @@ class Router:
         self.pool = pool
         self.clock = clock
         self.index = PrefixIndex(cfg.index.capacity_blocks, cfg.index.segments)
+        self._hash_memo = HashMemo(cfg.hashing)
         self.profiles: dict[str, Profile] = {n: build_profile(n, s) for n, s in cfg.profiles.items()}
         for p in self.profiles.values():
             p.timer = plugin_timer
@@ -85,7 +87,7 @@ class Router:
 
     def cycle(self, req: InferenceRequest, candidates: list[EndpointState]) -> tuple[Cycle, list[int]]:
         text = req.routing_text.encode()
-        hashes = block_hashes(text, seed_for(req.model, req.lora, req.cache_salt), self.cfg.hashing)
+        hashes = self._hash_memo.hashes(text, seed_for(req.model, req.lora, req.cache_salt))
         if req.prompt_token_ids is not None:
             prompt_tokens = len(req.prompt_token_ids)
         else:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from picker.prefix.hashing import MASK60, HashConfig, block_hashes, seed_for
 from picker.prefix.index import EndpointLRU, PrefixIndex
+from picker.prefix.memo import HashMemo, common_prefix
 
 SEED = seed_for("model")
 texts = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=600)
@@ -191,3 +192,37 @@ def test_resize_keeps_the_newest_blocks() -> None:
     assert len(lru) <= 40
     lru.resize(400)
     assert lru.capacity == 400 and all(h in lru for h in range(230, 260)), "growing keeps everything"
+
+
+# ---- the hash memo -------------------------------------------------------------------------------
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2000), st.binary(max_size=300)), max_size=12),
+    st.binary(min_size=1, max_size=1500),
+    st.integers(1, 48),
+    st.integers(1, 64),
+    st.integers(1, 3),
+)
+def test_memo_equals_direct_hashing(
+    edits: list[tuple[int, int, bytes]], base: bytes, block_size: int, max_blocks: int, entries: int
+) -> None:
+    """Texts derived from a common base (cut at a point and given a new tail) hash exactly as the
+    plain hasher does, whatever the memo remembers."""
+    cfg = HashConfig(block_size=block_size, max_blocks=max_blocks)
+    memo = HashMemo(cfg, entries=entries)
+    base = base * (1 + 2000 // len(base))
+    for seed_n, cut, tail in edits:
+        data = base[:cut] + tail
+        seed = seed_for("m", salt=str(seed_n))
+        assert memo.hashes(data, seed) == block_hashes(data, seed, cfg)
+        assert memo.hashes(data, seed) == block_hashes(data, seed, cfg), "an exact repeat too"
+    assert len(memo._memo) <= entries
+
+
+@given(st.binary(max_size=200), st.binary(max_size=200))
+def test_common_prefix(a: bytes, b: bytes) -> None:
+    n = common_prefix(a, b)
+    assert a[:n] == b[:n]
+    assert n == min(len(a), len(b)) or a[n] != b[n]
