@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Print Kubernetes manifests for a plain Envoy gateway in front of the picker, for the kind test.
+
+The Envoy config is deploy/envoy/render.py's (ext_proc to the picker, ORIGINAL_DST upstream keyed
+by x-gateway-destination-endpoint), with two changes for a cluster: the picker is reached by its
+Service DNS name (STRICT_DNS), and responses carry ``x-kvpick-upstream: %UPSTREAM_HOST%`` so the
+test can see which replica served each request.
+
+    python3 deploy/kind/envoy_manifest.py --namespace kvpick --picker kvpick-picker.kvpick.svc.cluster.local:9002
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import sys
+from typing import Any
+
+RENDER = pathlib.Path(__file__).resolve().parents[1] / "envoy" / "render.py"
+UPSTREAM_HEADER = "x-kvpick-upstream"
+
+
+def envoy_config(picker: str, tls: bool, listen_port: int) -> dict[str, Any]:
+    spec = importlib.util.spec_from_file_location("kvpick_envoy_render", RENDER)
+    assert spec is not None and spec.loader is not None, f"cannot load {RENDER}"
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    cfg: dict[str, Any] = render.render(listen_port=listen_port, picker=picker, tls=tls)
+    resources = cfg["static_resources"]
+    picker_cluster = next(c for c in resources["clusters"] if c["name"] == "kvpick_picker")
+    picker_cluster["type"] = "STRICT_DNS"
+    picker_cluster["dns_lookup_family"] = "V4_ONLY"
+    hcm = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    vhost = hcm["route_config"]["virtual_hosts"][0]
+    vhost["response_headers_to_add"] = [
+        {
+            "header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_HOST%"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        }
+    ]
+    return cfg
+
+
+def manifests(namespace: str, picker: str, tls: bool, image: str, port: int) -> list[dict[str, Any]]:
+    labels = {"app.kubernetes.io/name": "kvpick-envoy"}
+    meta = {"name": "kvpick-envoy", "namespace": namespace, "labels": labels}
+    config = json.dumps(envoy_config(picker, tls, port), indent=1)  # JSON is YAML: Envoy reads it as is
+    container = {
+        "name": "envoy",
+        "image": image,
+        "args": ["-c", "/etc/envoy/envoy.yaml", "--log-level", "info"],
+        "ports": [{"name": "http", "containerPort": port}],
+        "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2},
+        "volumeMounts": [{"name": "config", "mountPath": "/etc/envoy"}],
+    }
+    pod_spec = {
+        "containers": [container],
+        "volumes": [{"name": "config", "configMap": {"name": "kvpick-envoy"}}],
+    }
+    return [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {"envoy.yaml": config}},
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": meta,
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": labels},
+                "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta,
+            "spec": {"selector": labels, "ports": [{"name": "http", "port": port, "targetPort": "http"}]},
+        },
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--namespace", default="kvpick")
+    p.add_argument("--picker", required=True, help="picker Service host:port (ext_proc gRPC)")
+    p.add_argument("--plaintext", action="store_true", help="the picker runs with --secure-serving=false")
+    p.add_argument("--image", default="envoyproxy/envoy:v1.36-latest")
+    p.add_argument("--port", type=int, default=8080)
+    args = p.parse_args(argv)
+    docs = manifests(args.namespace, args.picker, not args.plaintext, args.image, args.port)
+    sys.stdout.write("\n---\n".join(json.dumps(d, indent=1) for d in docs) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
