@@ -233,6 +233,7 @@ async def watch_forever(
                 items, rv = await asyncio.to_thread(coll.list, cfg)
                 on_list(items)
                 st.rv, st.lists = rv, st.lists + 1
+                delay = delay if gone_in_a_row else cfg.backoff_initial_s
                 log.debug("%s: listed %d at rv %s", coll.what, len(items), rv)
             async with contextlib.aclosing(_events(coll, cfg, st.rv)) as events:
                 async for event in events:
