@@ -123,7 +123,7 @@ def build_provider(args: argparse.Namespace) -> EndpointProvider:
             endpoint_target_ports=args.endpoint_target_ports,
         )
         return provider
-    raise SystemExit("no endpoints: give --endpoints, --endpoints-file, --pool-name or --endpoint-selector")
+    raise ValueError("no endpoints: give --endpoints, --endpoints-file, --pool-name or --endpoint-selector")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         cfg = build_config(args)
+        provider = build_provider(args)
     except (ValueError, OSError) as exc:
         print(f"picker: bad configuration: {exc}", file=sys.stderr)
         return 2
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_cert_reload=args.enable_cert_reload,
         default_body_mode=BUFFERED if args.body_mode == "buffered" else FULL_DUPLEX,
     )
-    server = PickerServer(cfg, build_provider(args), opts)
+    server = PickerServer(cfg, provider, opts)
 
     async def _run() -> None:
         loop = asyncio.get_running_loop()
