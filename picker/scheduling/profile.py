@@ -31,6 +31,11 @@ class Profile:
     scorers: Sequence[tuple[str, Scorer, float]]
     picker: tuple[str, Picker]
     timer: PluginTimer | None = field(default=None, repr=False)
+    _post_pick: list[PostPick] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # isinstance() against a runtime Protocol is slow: decide once, not per cycle.
+        self._post_pick = [s for _, s, _ in self.scorers if isinstance(s, PostPick)]
 
     def run(self, cycle: Cycle, endpoints: list[EndpointState], k: int, commit: bool = True) -> Result:
         """One cycle. With ``commit=False`` (explain) no plugin learns of the pick."""
@@ -57,9 +62,8 @@ class Profile:
         pname, picker = self.picker
         chosen = picker.pick(totals, endpoints, k)
         assert chosen, f"picker {pname!r} returned nothing from {len(endpoints)} candidates"
-        for _, s, _ in self.scorers if commit else ():
-            if isinstance(s, PostPick):
-                s.picked(cycle, chosen[0])
+        for plugin in self._post_pick if commit else ():
+            plugin.picked(cycle, chosen[0])
         return Result(chosen=chosen, scores=totals, per_scorer=per_scorer, candidates=len(endpoints))
 
     def scorer(self, name: str) -> Scorer | None:

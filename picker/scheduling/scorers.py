@@ -70,12 +70,12 @@ class LeastLoadedScorer:
 @dataclass
 class LoraAffinityScorer:
     """Adapter already running → 1; queued → 0.8; a free adapter slot → 0.5; else 0.
-    Requests for the base model score 1 everywhere."""
+    Requests for the base model get no scores (equal everywhere, so they cannot change a pick)."""
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
         lora = cycle.request.lora
         if not lora:
-            return {e.key: 1.0 for e in endpoints}
+            return {}
         out: dict[str, float] = {}
         for e in endpoints:
             m = e.metrics
@@ -100,7 +100,7 @@ class SessionAffinityScorer:
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
         target = self._last.get(cycle.request.session_id) if cycle.request.session_id else None
-        return {e.key: 1.0 if e.key == target else 0.0 for e in endpoints}
+        return {target: 1.0} if target is not None else {}  # unscored endpoints count as 0
 
     def picked(self, cycle: Cycle, chosen: EndpointState) -> None:
         sid = cycle.request.session_id

@@ -45,7 +45,9 @@ class Filter(Protocol):
 
 
 class Scorer(Protocol):
-    def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]: ...
+    def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
+        """Scores in [0, 1] by endpoint key; an endpoint left out scores 0."""
+        ...
 
 
 class Picker(Protocol):
