@@ -32,14 +32,21 @@ class CostScorer:
     overhead_s: float = 0.005
 
     def estimate(self, cycle: Cycle, e: EndpointState) -> float:
-        uncached = cycle.prompt_tokens - cycle.cached_tokens(e.key)
-        queued = max(float(e.pending_prefill_tokens), e.metrics.waiting * self.tokens_per_waiting)
-        rate = cycle.prefill_rate if cycle.prefill_rate > 0 else self.default_rate
-        running = max(e.metrics.running, float(e.in_flight_requests))
-        return (queued + uncached) / rate + running * self.decode_step_s + self.overhead_s
+        return self.estimates(cycle, (e,))[e.key]
 
     def estimates(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
-        return {e.key: self.estimate(cycle, e) for e in endpoints}
+        """The formula above for every endpoint; one loop with locals (it runs per request)."""
+        rate = cycle.prefill_rate if cycle.prefill_rate > 0 else self.default_rate
+        prompt, block_tokens, matches = cycle.prompt_tokens, cycle.block_tokens, cycle.matches
+        per_waiting, step, overhead = self.tokens_per_waiting, self.decode_step_s, self.overhead_s
+        out: dict[str, float] = {}
+        for e in endpoints:
+            m = e.metrics
+            uncached = prompt - min(prompt, int(matches.get(e.key, 0) * block_tokens))
+            queued = max(float(e.pending_prefill_tokens), m.waiting * per_waiting)
+            running = max(m.running, float(e.in_flight_requests))
+            out[e.key] = (queued + uncached) / rate + running * step + overhead
+        return out
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
         est = self.estimates(cycle, endpoints)
