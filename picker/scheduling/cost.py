@@ -43,8 +43,9 @@ class CostScorer:
         for e in endpoints:
             m = e.metrics
             uncached = prompt - min(prompt, int(matches.get(e.key, 0) * block_tokens))
-            queued = max(float(e.pending_prefill_tokens), m.waiting * per_waiting)
-            running = max(m.running, float(e.in_flight_requests))
+            pending, waiting = e.pending_prefill_tokens, m.waiting * per_waiting
+            queued = pending if pending > waiting else waiting  # max() without the call overhead
+            running = m.running if m.running > e.in_flight_requests else e.in_flight_requests
             out[e.key] = (queued + uncached) / rate + running * step + overhead
         return out
 

@@ -58,7 +58,8 @@ class LoadGuardFilter:
 
     @staticmethod
     def load(e: EndpointState) -> float:
-        return max(float(e.in_flight_requests), e.metrics.running + e.metrics.waiting)
+        scraped = e.metrics.running + e.metrics.waiting
+        return e.in_flight_requests if e.in_flight_requests > scraped else scraped
 
     def filter(self, cycle: Cycle, endpoints: list[EndpointState]) -> list[EndpointState]:
         if len(endpoints) < 2:
