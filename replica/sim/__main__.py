@@ -8,6 +8,7 @@ import contextlib
 
 from .costmodel import profile
 from .engine import Engine, EngineConfig
+from .kv_events import Publisher
 from .scheduler import SchedulerConfig
 from .server import make_app, serve
 
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--page-aligned-prefill", action="store_true")
+    p.add_argument(
+        "--kv-events-port", type=int, default=0, help="publish vLLM KV events on tcp://HOST:PORT (0: off)"
+    )
     p.add_argument("--lora-modules", nargs="*", default=[], help="adapter names served besides --model")
     a = p.parse_args(argv)
     cfg = EngineConfig(
@@ -38,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     async def run() -> None:
-        engine = Engine(profile(a.profile), cfg)
+        events = Publisher(f"tcp://{a.host}:{a.kv_events_port}") if a.kv_events_port else None
+        engine = Engine(profile(a.profile), cfg, events)
         await serve(make_app(engine, a.model, frozenset(a.lora_modules)), engine, a.host, a.port)
 
     with contextlib.suppress(KeyboardInterrupt):

@@ -47,7 +47,8 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.evicted: list[int] = []  # hashes evicted since the last drain (for KV events)
-        self.stored: list[tuple[int, tuple[int, ...]]] = []
+        self.stored: list[tuple[int, int | None, tuple[int, ...]]] = []  # (hash, parent, tokens)
+        self.cleared = False
 
     @property
     def num_free(self) -> int:
@@ -88,13 +89,15 @@ class BlockPool:
             out.append(b)
         return out
 
-    def cache_full_block(self, b: Block, block_hash: int, tokens: tuple[int, ...]) -> None:
+    def cache_full_block(
+        self, b: Block, block_hash: int, tokens: tuple[int, ...], parent: int | None = None
+    ) -> None:
         assert len(tokens) == self.block_size, "only full blocks are cached"
         if block_hash in self.cached or b.block_hash is not None:
             return  # an identical block is already cached (computed twice concurrently)
         b.block_hash, b.tokens = block_hash, tokens
         self.cached[block_hash] = b.block_id
-        self.stored.append((block_hash, tokens))
+        self.stored.append((block_hash, parent, tokens))
 
     def release(self, blocks: Sequence[Block]) -> None:
         """Drop one reference; blocks reaching zero join the free queue's tail, in reverse order so
@@ -112,6 +115,7 @@ class BlockPool:
         for b in self.blocks:
             b.block_hash, b.tokens = None, ()
         self.cached.clear()
+        self.cleared = True
         return True
 
     def check(self) -> None:

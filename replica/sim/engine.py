@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .blocks import BlockPool
 from .costmodel import Profile
+from .kv_events import Publisher, drain
 from .scheduler import Request, Scheduler, SchedulerConfig
 
 
@@ -24,7 +25,7 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, profile: Profile, cfg: EngineConfig) -> None:
+    def __init__(self, profile: Profile, cfg: EngineConfig, events: Publisher | None = None) -> None:
         self.profile, self.cfg = profile, cfg
         blocks = cfg.num_gpu_blocks or profile.num_gpu_blocks(cfg.block_size)
         self.pool = BlockPool(blocks, cfg.block_size)
@@ -32,6 +33,7 @@ class Engine:
         self.queues: dict[int, asyncio.Queue[int]] = {}
         self._wake = asyncio.Event()
         self.finished = 0
+        self.events = events
 
     def submit(self, req: Request) -> asyncio.Queue[int]:
         req.arrival = time.monotonic()
@@ -61,7 +63,10 @@ class Engine:
             prefill = [(n, r.num_computed) for r, n in scheduled if r.prefill_left > 0]
             decode = [r.num_computed for r, n in scheduled if r.prefill_left == 0]
             await asyncio.sleep(self.profile.step_time(prefill, decode) * self.cfg.time_scale)
-            for req in self.sched.update(scheduled, time.monotonic()):
+            produced = self.sched.update(scheduled, time.monotonic())
+            if self.events is not None:
+                self.events.publish(drain(self.pool))
+            for req in produced:
                 q = self.queues.get(req.request_id)
                 if q is not None:
                     q.put_nowait(req.num_output)

@@ -38,6 +38,7 @@ class Request:
     num_output: int = 0
     num_cached: int = 0
     first_token_at: float | None = None
+    cached_blocks: int = 0  # leading prompt blocks already registered in the cache
 
     def __post_init__(self) -> None:
         self.hashes = chain_hashes(self.prompt, self.block_size, self.lora, self.salt)
@@ -82,7 +83,7 @@ class Scheduler:
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
         self.pool.release(victim.blocks)
-        victim.blocks, victim.num_computed = [], 0
+        victim.blocks, victim.num_computed, victim.cached_blocks = [], 0, 0
         self.waiting.appendleft(victim)
         self.preemptions += 1
 
@@ -126,6 +127,7 @@ class Scheduler:
         self.pool.touch(hit)
         req.blocks = list(hit) + self.pool.allocate(need)
         req.num_computed = req.num_cached = cached
+        req.cached_blocks = len(hit)
         self.queries += len(req.prompt)
         self.hits += cached
         out.append((req, n))
@@ -139,10 +141,12 @@ class Scheduler:
             was_prefill = req.prefill_left > 0
             req.num_computed += n
             full = min(req.num_computed, len(req.prompt)) // bs
-            for i in range(full):
+            for i in range(req.cached_blocks, full):
+                parent = req.hashes[i - 1] if i else None
                 self.pool.cache_full_block(
-                    req.blocks[i], req.hashes[i], tuple(req.prompt[i * bs : (i + 1) * bs])
+                    req.blocks[i], req.hashes[i], tuple(req.prompt[i * bs : (i + 1) * bs]), parent
                 )
+            req.cached_blocks = max(req.cached_blocks, full)
             if req.prefill_left == 0:
                 req.num_output += 1
                 if was_prefill and req.first_token_at is None:
