@@ -12,6 +12,7 @@ to exactly one block, and that block's stored tokens are the ones hashed.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,13 +21,18 @@ import xxhash
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int, lora: str = "", salt: str = "") -> list[int]:
-    """Hashes of the full blocks of ``tokens``; each depends on every token before its end."""
+    """Hashes of the full blocks of ``tokens``; each depends on every token before its end.
+
+    ``h[0] = xxh64(block_0, seed=xxh64(lora|salt))`` and ``h[i] = xxh64(block_i, seed=h[i-1] ^ L)``,
+    with ``L = xxh64(lora)`` (0 without LoRA): the LoRA feeds every block, the salt the first only.
+    """
+    data = array("q", tokens).tobytes()
+    step = block_size * 8
+    lora_key = xxhash.xxh64_intdigest(lora.encode()) if lora else 0
+    parent = xxhash.xxh64_intdigest(f"{lora}|{salt}".encode())
     out: list[int] = []
-    parent = 0
-    for i in range(len(tokens) // block_size):
-        extra = f"{lora}|{salt if i == 0 else ''}"
-        block = tokens[i * block_size : (i + 1) * block_size]
-        parent = xxhash.xxh64_intdigest(f"{parent}|{extra}|{','.join(map(str, block))}".encode())
+    for start in range(0, (len(tokens) // block_size) * step, step):
+        parent = xxhash.xxh64_intdigest(data[start : start + step], parent if not out else parent ^ lora_key)
         out.append(parent)
     return out
 

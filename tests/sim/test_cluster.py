@@ -1,0 +1,61 @@
+"""Cluster mode and trace conversion on small hand-made traces."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from replica.sim import trace
+from replica.sim.cluster import main, simulate
+from replica.sim.costmodel import profile
+
+
+def write_trace(path: pathlib.Path, rows: list[dict[str, object]]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_rows_sharing_k_hash_ids_share_exactly_k_blocks(tmp_path: pathlib.Path) -> None:
+    rows = trace.read(
+        write_trace(
+            tmp_path / "t.jsonl",
+            [
+                {"timestamp": 0, "input_length": 1536, "output_length": 1, "hash_ids": [1, 2, 3]},
+                {"timestamp": 5, "input_length": 1300, "output_length": 1, "hash_ids": [1, 2, 9]},
+            ],
+        )
+    )
+    (ta, xa), (tb, xb) = (trace.tokens_and_text(r) for r in rows)
+    assert len(ta) == 1536 and len(tb) == 1300 and len(xa) == 1536 * 4 and len(xb) == 1300 * 4
+    shared = next(i for i, (a, b) in enumerate(zip(ta, tb, strict=False)) if a != b)
+    assert shared == 2 * 512
+    shared_text = next(i for i, (a, b) in enumerate(zip(xa, xb, strict=False)) if a != b)
+    assert 2 * 512 * 4 <= shared_text < 3 * 512 * 4, shared_text
+    assert trace.ideal_hit_rate(rows) == 1024 / (1536 + 1300)
+
+
+def test_cost_policy_finds_the_shared_prefixes(tmp_path: pathlib.Path) -> None:
+    groups = [[100 * g + i for i in range(6)] for g in range(3)]  # 3 groups on 4 replicas: RR scatters
+    raw = [
+        {
+            "timestamp": 200 * k,
+            "input_length": 3072 + 100,
+            "output_length": 4,
+            "hash_ids": [*groups[k % 3], 1000 + k],
+        }
+        for k in range(32)
+    ]
+    rows = trace.read(write_trace(tmp_path / "t.jsonl", raw))
+    cost = simulate(rows, 4, "cost", profile("h100-llama-3.1-8b"))
+    rr = simulate(rows, 4, "round-robin", profile("h100-llama-3.1-8b"))
+    assert cost.errors == rr.errors == 0 and cost.requests == 32
+    assert cost.hit_rate > 0.9 * cost.ideal_hit_rate, cost
+    assert cost.hit_rate > rr.hit_rate, (cost, rr)
+    out = tmp_path / "r.json"
+    assert (
+        main(
+            ["--trace", str(tmp_path / "t.jsonl"), "--replicas", "2", "--policy", "cost", "--json", str(out)]
+        )
+        == 0
+    )
+    assert json.loads(out.read_text())[0]["requests"] == 32
