@@ -148,8 +148,8 @@ class Cluster:
                 assert isinstance(payload, trace.Row)
                 self._arrive(payload)
             elif kind == "step":
-                rep, out = payload  # type: ignore[misc]
-                self._step(rep, out)
+                assert isinstance(payload, tuple), f"step event carries {payload!r}"
+                self._step(*payload)
             else:
                 self._scrape()
                 if len(self._events) > 0:
