@@ -28,7 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-gpu-blocks", type=int, default=0, help="KV blocks (0: derived from the profile)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--page-aligned-prefill", action="store_true")
+    p.add_argument(
+        "--page-aligned-prefill", action="store_true", help="non-final prefill chunks are whole blocks"
+    )
+    p.add_argument(
+        "--cache-aware-admission", action="store_true", help="longest cached prefix first, within --aging-s"
+    )
+    p.add_argument("--aging-s", type=float, default=2.0)
+    p.add_argument(
+        "--dedupe-shared-prefixes", action="store_true", help="defer requests waiting on an in-flight prefix"
+    )
     p.add_argument(
         "--kv-events-port", type=int, default=0, help="publish vLLM KV events on tcp://HOST:PORT (0: off)"
     )
@@ -38,7 +47,14 @@ def main(argv: list[str] | None = None) -> int:
         a.block_size,
         a.num_gpu_blocks,
         a.time_scale,
-        SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs, a.page_aligned_prefill),
+        SchedulerConfig(
+            a.max_num_batched_tokens,
+            a.max_num_seqs,
+            a.page_aligned_prefill,
+            a.cache_aware_admission,
+            a.aging_s,
+            a.dedupe_shared_prefixes,
+        ),
     )
 
     async def run() -> None:

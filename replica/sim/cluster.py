@@ -89,7 +89,7 @@ class Cluster:
     def _kick(self, rep: Replica) -> None:
         if rep.busy:
             return
-        out = rep.sched.schedule()
+        out = rep.sched.schedule(self.now)
         if not out:
             return
         prefill = [(n, r.num_computed) for r, n in out if r.prefill_left > 0]
@@ -160,9 +160,16 @@ class Cluster:
         return sum(r.sched.hits for r in self.replicas.values()) / q if q else 0.0
 
 
-def simulate(rows: list[trace.Row], n: int, policy: str, prof: Profile, time_scale: float = 1.0) -> Result:
+def simulate(
+    rows: list[trace.Row],
+    n: int,
+    policy: str,
+    prof: Profile,
+    time_scale: float = 1.0,
+    sched: SchedulerConfig | None = None,
+) -> Result:
     t0 = time.perf_counter()
-    c = Cluster(n, policy, prof)
+    c = Cluster(n, policy, prof, sched=sched)
     c.run(rows, time_scale)
     q = statistics.quantiles(c.ttfts, n=100) if len(c.ttfts) >= 2 else [0.0] * 99
     return Result(

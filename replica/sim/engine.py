@@ -55,7 +55,7 @@ class Engine:
 
     async def run(self) -> None:
         while True:
-            scheduled = self.sched.schedule()
+            scheduled = self.sched.schedule(time.monotonic())
             if not scheduled:
                 self._wake.clear()
                 await self._wake.wait()

@@ -57,6 +57,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     page_aligned: bool = False
+    cache_aware: bool = False
+    """Admit the waiting request with the longest cached prefix first, unless the oldest has
+    waited ``aging_s`` or more: then it goes first (no request waits more than the bound beyond FCFS)."""
+    aging_s: float = 2.0
+    dedupe: bool = False
+    """Defer a waiting request whose next uncached block is being prefilled by a running one; it
+    is admitted once that block is cached, as a hit."""
 
 
 class Scheduler:
@@ -87,7 +94,7 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.preemptions += 1
 
-    def schedule(self) -> list[tuple[Request, int]]:
+    def schedule(self, now: float = 0.0) -> list[tuple[Request, int]]:
         budget = self.cfg.max_num_batched_tokens
         out: list[tuple[Request, int]] = []
         for req in list(self.running):
@@ -105,12 +112,42 @@ class Scheduler:
             req.blocks += self.pool.allocate(max(0, need))
             out.append((req, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            if not self._admit(self.waiting[0], budget, out):
+        if not (self.cfg.cache_aware or self.cfg.dedupe):  # vLLM's FCFS
+            while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+                if not self._admit(self.waiting[0], budget, out):
+                    break
+                budget -= out[-1][1]
+                self.running.append(self.waiting.popleft())
+            return out
+        in_flight = self._in_flight_blocks() if self.cfg.dedupe else set()
+        for req in self._admission_order(now):
+            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+                break
+            if in_flight and self._waits_on(req, in_flight):
+                continue
+            if not self._admit(req, budget, out):
                 break
             budget -= out[-1][1]
-            self.running.append(self.waiting.popleft())
+            self.waiting.remove(req)  # O(waiting): acceptable in the simulator, not in a server
+            self.running.append(req)
+            if self.cfg.dedupe:
+                in_flight.update(req.hashes[req.cached_blocks :])
         return out
+
+    def _admission_order(self, now: float) -> list[Request]:
+        if not self.cfg.cache_aware:
+            return list(self.waiting)
+        aged = [r for r in self.waiting if now - r.arrival >= self.cfg.aging_s]
+        fresh = [r for r in self.waiting if now - r.arrival < self.cfg.aging_s]
+        fresh.sort(key=lambda r: -len(self.pool.cached_prefix(r.hashes)))  # stable: FCFS among equals
+        return aged + fresh
+
+    def _in_flight_blocks(self) -> set[int]:
+        return {h for r in self.running if r.prefill_left > 0 for h in r.hashes[r.cached_blocks :]}
+
+    def _waits_on(self, req: Request, in_flight: set[int]) -> bool:
+        k = len(self.pool.cached_prefix(req.hashes))
+        return k < len(req.hashes) and req.hashes[k] in in_flight
 
     def _admit(self, req: Request, budget: int, out: list[tuple[Request, int]]) -> bool:
         hit = self.pool.cached_prefix(req.hashes)

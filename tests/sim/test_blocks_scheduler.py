@@ -117,3 +117,52 @@ def test_block_pool_invariants_hold(requests: list[tuple[int, int, int]], blocks
                 if b.block_hash is not None and b.block_hash == r.hashes[i]:
                     assert b.tokens == tuple(r.prompt[i * BS : (i + 1) * BS])
     assert pool.num_free == blocks, "everything finished and was released"
+
+
+def _pressure_stream(s: Scheduler, cfg_now: list[float]) -> None:
+    """Two alternating prefix families arriving in bursts, more than the cache holds at once."""
+    for k in range(24):
+        fam = k % 2
+        r = req([100 + fam] * 32 + [k] * 4, max_tokens=2)
+        r.arrival = cfg_now[0]
+        s.add(r)
+
+
+def _drive(cfg: SchedulerConfig, blocks: int = 14) -> tuple[Scheduler, float]:
+    s = Scheduler(BlockPool(blocks, BS), cfg)
+    now = [0.0]
+    _pressure_stream(s, now)
+    worst_wait = 0.0
+    for _ in range(2000):
+        out = s.schedule(now[0])
+        for r, _n in out:
+            if r.num_computed == r.num_cached:  # just admitted
+                worst_wait = max(worst_wait, now[0] - r.arrival)
+        if not out and not s.waiting:
+            break
+        s.update(out, now[0])
+        now[0] += 0.01
+    return s, worst_wait
+
+
+def test_cache_aware_admission_raises_hits_within_the_aging_bound() -> None:
+    fcfs, _ = _drive(SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=2))
+    aware, worst = _drive(
+        SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=2, cache_aware=True, aging_s=0.5)
+    )
+    assert aware.hits > fcfs.hits, (aware.hits, fcfs.hits)
+    _, worst_fcfs = _drive(SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=2))
+    assert worst <= worst_fcfs + 0.5 + 0.05, (worst, worst_fcfs)
+
+
+def test_dedupe_computes_a_shared_prefix_once() -> None:
+    def run(dedupe: bool) -> Scheduler:
+        s = Scheduler(BlockPool(64, BS), SchedulerConfig(max_num_batched_tokens=160, dedupe=dedupe))
+        for k in range(4):
+            s.add(req([7] * 32 + [k], max_tokens=1))
+        run_to_end(s)
+        return s
+
+    plain, deduped = run(False), run(True)
+    assert deduped.hits == 3 * 32, "three followers hit the prefix the first one computed"
+    assert plain.hits < deduped.hits
