@@ -200,11 +200,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default="h100-llama-3.1-8b")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (<1 = more load)")
     p.add_argument("--limit", type=int, default=None, help="use the first N rows")
+    p.add_argument("--page-aligned-prefill", action="store_true")
+    p.add_argument("--cache-aware-admission", action="store_true")
+    p.add_argument("--dedupe-shared-prefixes", action="store_true")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     rows = trace.read(a.trace, a.limit)
+    sched = SchedulerConfig(
+        page_aligned=a.page_aligned_prefill,
+        cache_aware=a.cache_aware_admission,
+        dedupe=a.dedupe_shared_prefixes,
+    )
     results = [
-        simulate(rows, a.replicas, pol, profile(a.profile), a.time_scale) for pol in a.policy.split(",")
+        simulate(rows, a.replicas, pol, profile(a.profile), a.time_scale, sched)
+        for pol in a.policy.split(",")
     ]
     print(
         f"{'policy':<14}{'hit rate':>9}{'ideal':>7}{'TTFT p50':>10}{'p90':>9}{'p99':>9}{'req/s':>8}{'errors':>7}{'wall s':>8}"
