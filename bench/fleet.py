@@ -1,0 +1,116 @@
+"""The simulated replicas a benchmark runs against: started once, caches reset between routers.
+
+Process handling is ``replica.sim.stack``'s (``Children``, ``wait_port``): each child runs in its
+own process group, logs to ``run_dir/NAME.log``, and is stopped with its group.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from replica.sim.stack import PY, Children, wait_port
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http(method: str, url: str, body: bytes | None = None, timeout: float = 10.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=body, method=method, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+@dataclass
+class FleetConfig:
+    replicas: int = 4
+    profile: str = "h100-llama-3.1-8b"
+    time_scale: float = 1.0
+    model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass
+class Counters:
+    queries: float = 0.0
+    hits: float = 0.0
+
+
+@dataclass
+class Fleet:
+    """N ``python -m replica.sim`` processes on free loopback ports."""
+
+    cfg: FleetConfig
+    children: Children
+    ports: list[int] = field(default_factory=list)
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+    def start(self) -> None:
+        c = self.cfg
+        self.ports = [free_port() for _ in range(c.replicas)]
+        for i, port in enumerate(self.ports):
+            args = ["--port", str(port), "--model", c.model, "--profile", c.profile]
+            args += ["--time-scale", str(c.time_scale), *c.extra_args]
+            self.children.start(f"replica-{i}", [PY, "-m", "replica.sim", *args])
+        for port in self.ports:
+            wait_port(port, self.children)
+
+    def reset(self, timeout: float = 60.0) -> None:
+        """Empty every replica's prefix cache; retried while requests still hold blocks (409)."""
+        deadline = time.monotonic() + timeout
+        for url in self.urls:
+            while True:
+                status, body = http("POST", url + "/reset_prefix_cache")
+                if status == 200:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{url} refused to reset its prefix cache: {status} {body[:200]!r}")
+                time.sleep(0.2)
+
+    def scrape(self) -> list[dict[str, float]]:
+        """Per replica: the vLLM counters and cache shape that the report uses."""
+        out = []
+        for url in self.urls:
+            _, text = http("GET", url + "/metrics")
+            v: dict[str, float] = {}
+            for fam in text_string_to_metric_families(text.decode()):
+                for s in fam.samples:
+                    if s.name == "vllm:cache_config_info":
+                        v["block_size"] = float(s.labels["block_size"])
+                        v["num_gpu_blocks"] = float(s.labels["num_gpu_blocks"])
+                    elif s.name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+                        v[s.name] = v.get(s.name, 0.0) + s.value
+            out.append(v)
+        return out
+
+    def counters(self) -> Counters:
+        c = Counters()
+        for v in self.scrape():
+            c.queries += v.get("vllm:prefix_cache_queries_total", 0.0)
+            c.hits += v.get("vllm:prefix_cache_hits_total", 0.0)
+        return c
+
+    def cache_shape(self) -> tuple[int, int]:
+        """(block size in tokens, total KV blocks over all replicas)."""
+        shapes = self.scrape()
+        sizes = {int(v["block_size"]) for v in shapes}
+        assert len(sizes) == 1, f"replicas disagree on block size: {sizes}"
+        return sizes.pop(), sum(int(v["num_gpu_blocks"]) for v in shapes)

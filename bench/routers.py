@@ -1,0 +1,92 @@
+"""Routers under test, each started in front of the same fleet and stopped afterwards.
+
+- ``cost``, ``weighted``, ``round-robin``, ``least-loaded``: our picker (``python -m picker``,
+  TLS ext_proc) behind a real Envoy rendered by ``deploy/envoy/render.py`` (pool upstream).
+- ``vllm-router``: ``vllm-router --policy cache_aware`` (the vLLM project's router).
+- ``sglang-router``: ``sglang-router launch --policy cache_aware`` in its default HTTP mode, which
+  proxies ``/v1/completions`` to any OpenAI-compatible worker (its ``--backend openai`` mode
+  answers 501 to ``/v1/completions`` and only serves chat).
+- ``direct``: no router; the load generator round-robins over the replicas itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import subprocess
+import time
+from collections.abc import Iterator
+
+import orjson
+
+from replica.sim.stack import ENVOY, PY, ROOT, Children, wait_port
+
+from .fleet import Fleet, free_port, http
+
+PICKER_POLICIES = ("cost", "weighted", "round-robin", "least-loaded")
+PEERS = ("vllm-router", "sglang-router")
+ROUTERS = (*PICKER_POLICIES, *PEERS)
+_VENV_BIN = pathlib.Path(PY).parent
+
+
+def _picker_envoy(policy: str, fleet: Fleet, children: Children) -> str:
+    grpc, health, metrics, listen, admin = (free_port() for _ in range(5))
+    eps = ",".join(fleet.endpoints)
+    args = ["--endpoints", eps, "--policy", policy, "--host", "127.0.0.1", "--log-level", "warning"]
+    args += ["--grpc-port", str(grpc), "--grpc-health-port", str(health), "--metrics-port", str(metrics)]
+    children.start("picker", [PY, "-m", "picker", *args])
+    cfg = children.run_dir / "envoy.yaml"
+    render = [PY, str(ROOT / "deploy/envoy/render.py"), "--listen-port", str(listen)]
+    render += ["--admin-port", str(admin), "--picker", f"127.0.0.1:{grpc}", "--upstream", "pool"]
+    subprocess.run([*render, "--endpoints", eps, "-o", str(cfg)], check=True, cwd=ROOT)
+    children.start("envoy", [str(ENVOY), "-c", str(cfg), "-l", "warning", "--base-id", str(listen)])
+    for port in (metrics, grpc, listen):
+        wait_port(port, children)
+    return f"http://127.0.0.1:{listen}"
+
+
+def _peer(name: str, fleet: Fleet, children: Children) -> str:
+    port, prom = free_port(), free_port()
+    exe = str(_VENV_BIN / name)
+    args = [exe, "launch"] if name == "sglang-router" else [exe]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *fleet.urls]
+    args += ["--policy", "cache_aware", "--prometheus-port", str(prom), "--prometheus-host", "127.0.0.1"]
+    children.start(name, args)
+    wait_port(port, children, timeout=120)
+    return f"http://127.0.0.1:{port}"
+
+
+def wait_routable(url: str, model: str, children: Children, timeout: float = 60.0) -> None:
+    """Until one tiny completion goes through (the picker has scraped its endpoints, the peer
+    has health-checked its workers)."""
+    body = orjson.dumps({"model": model, "prompt": "ping", "max_tokens": 1})
+    deadline = time.monotonic() + timeout
+    status, last = 0, b""
+    while time.monotonic() < deadline:
+        children.check()
+        with contextlib.suppress(OSError):
+            status, last = http("POST", url + "/v1/completions", body)
+            if status == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"router at {url} never answered 200 (last {status}: {last[:200]!r})")
+
+
+@contextlib.contextmanager
+def router(name: str, fleet: Fleet, run_dir: pathlib.Path) -> Iterator[list[str]]:
+    """Start ``name`` in front of ``fleet``; yields the URLs to send to (one, or the replicas)."""
+    if name == "direct":
+        yield fleet.urls
+        return
+    assert name in ROUTERS, f"unknown router {name!r}; known: direct, {', '.join(ROUTERS)}"
+    d = run_dir / name
+    d.mkdir(parents=True, exist_ok=True)
+    children = Children(d)
+    try:
+        url = (
+            _picker_envoy(name, fleet, children) if name in PICKER_POLICIES else _peer(name, fleet, children)
+        )
+        wait_routable(url, fleet.cfg.model, children)
+        yield [url]
+    finally:
+        children.stop()
