@@ -35,7 +35,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=str(suites.ROOT / "bench" / "results"))
     p.add_argument("--run-dir", default=str(suites.ROOT / ".run" / "bench"), help="logs of every process")
     p.add_argument("--routers", default=None, help="comma-separated subset of the suite's routers")
-    p.add_argument("--workloads", default=None, help="comma-separated subset of the suite's workloads ('none': only the overhead runner)")
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help="comma-separated subset of the suite's workloads ('none': only the overhead runner)",
+    )
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--no-overhead", action="store_true", help="skip the router-overhead runner")
     p.add_argument("--no-progress", action="store_true")

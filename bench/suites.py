@@ -51,6 +51,16 @@ SUITES = {
         overhead=(300, 20.0),
     ),
     "full": Suite("full"),
+    # CI smoke run (tests/bench/test_smoke.py): the whole pipeline in well under 30 seconds
+    "smoke": Suite(
+        "smoke",
+        replicas=2,
+        calib_per_replica=4,
+        routers=("cost", "round-robin"),
+        gsp=(4, 4, 256, 32, 8),
+        workloads=("generated-shared-prefix",),
+        overhead=(40, 20.0),
+    ),
 }
 
 
