@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
+from collections.abc import Sequence
 
 from bench import workloads
 from replica.sim import tokenizer
 from replica.sim.blocks import chain_hashes
 
 
-def common_prefix(a: str, b: str) -> int:
-    return len(os.path.commonprefix([a, b]))
+def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def test_generators_are_deterministic_and_seeded() -> None:
@@ -83,7 +86,7 @@ def test_mooncake_rows_sharing_k_hash_ids_share_k_blocks_of_512_tokens(tmp_path:
     assert [len(t) for t in toks] == [2000, 1800, 1536, 700], "input_length is honoured"
     for (i, j), k in {(0, 1): 2, (0, 2): 3, (1, 2): 2, (0, 3): 0}.items():
         hi, hj = chain_hashes(toks[i], 16), chain_hashes(toks[j], 16)
-        shared = len(os.path.commonprefix([hi, hj]))
+        shared = common_prefix(hi, hj)
         assert shared == k * 512 // 16, f"rows {i},{j}: {shared} shared blocks, want {k * 32}"
         # text: k blocks of 2048 characters, then the next block's first token may coincide
         assert k * 2048 <= common_prefix(w.requests[i].prompt, w.requests[j].prompt) < k * 2048 + 8
