@@ -59,34 +59,52 @@ def load_for(w: Workload, rate: float, turns: int, progress: bool) -> tuple[Load
     return LoadConfig("poisson", rate=rate, progress=progress), f"Poisson {rate:.2f} req/s"
 
 
-def run_workload(
+def prepare(
     s: suites.Suite, fleet: Fleet, w: Workload, shape: tuple[int, int], a: argparse.Namespace
-) -> report.WorkloadResult:
+) -> tuple[report.WorkloadResult, runner.Job]:
+    """Ceilings and calibrated load for ``w``; the job is then served by every router."""
     block_size, capacity = shape
     ceil, lru = ideal.ceilings(w, block_size, capacity)
     conc = s.calib_per_replica * s.replicas
-    run_dir = pathlib.Path(a.run_dir)
-    cap = runner.calibrate(fleet, w, conc, 2 * conc, run_dir, progress=not a.no_progress)
+    cap = runner.calibrate(
+        fleet, w, conc, min(2 * conc, s.calib_max), pathlib.Path(a.run_dir), not a.no_progress
+    )
     rate = s.load_fraction * cap
     cfg, how = load_for(w, rate, s.multi_turn[1], not a.no_progress)
-    describe = f"{how} ≈ {s.load_fraction:.0%} of capacity {cap:.2f} req/s (closed loop, {s.calib_per_replica} per replica)"
-    print(f"[bench] {w.name}: {len(w.requests)} requests, ideal {ceil:.3f}, {describe}", flush=True)
-    res = report.WorkloadResult(
-        w.name,
-        ceil,
-        lru,
-        len(w.requests),
-        {"capacity_rps": round(cap, 3), "rate_rps": round(rate, 3), "describe": describe},
+    cfg = dataclasses.replace(cfg, model=fleet.cfg.model)
+    describe = (
+        f"{how}, for {s.load_fraction:.0%} of capacity {cap:.2f} req/s "
+        f"(closed loop, {s.calib_per_replica} in flight per replica, no router)"
     )
-    for name in s.routers:
-        run = runner.run_one(name, fleet, w, cfg, run_dir)
-        sm = run.summary
-        print(
-            f"[bench]   {name:<14} hit {sm.hit_rate:.3f}  TTFT p50 {sm.ttft_p50:.3f} p90 {sm.ttft_p90:.3f}  {sm.throughput_rps:.2f} req/s  errors {sm.errors}",
-            flush=True,
-        )
-        res.runs.append(run)
-    return res
+    print(f"[bench] {w.name}: {len(w.requests)} requests, ideal hit rate {ceil:.3f}, {describe}", flush=True)
+    load = {"capacity_rps": round(cap, 3), "rate_rps": round(rate, 3), "describe": describe}
+    res = report.WorkloadResult(w.name, ceil, lru, len(w.requests), load)
+    return res, runner.Job(w, cfg, frozenset(s.routers))
+
+
+def execute(
+    s: suites.Suite, a: argparse.Namespace, fleet: Fleet, notes: list[str]
+) -> tuple[list[report.WorkloadResult], dict[str, Any] | None, tuple[int, int]]:
+    fleet.start()
+    shape = fleet.cache_shape()
+    prepared: list[tuple[report.WorkloadResult, runner.Job]] = []
+    for name in s.workloads:
+        trace = pathlib.Path(a.trace)
+        if name == "mooncake" and not trace.exists():
+            notes.append(f"mooncake skipped: no trace at {trace}")
+            print(f"[bench] {notes[-1]}", file=sys.stderr)
+            continue
+        prepared.append(prepare(s, fleet, suites.build(s, name, trace), shape, a))
+    jobs = [j for _, j in prepared]
+    over = None
+    if not a.no_overhead:
+        paths = [p for p in ("cost", "vllm-router", "sglang-router") if p in s.routers]
+        over = runner.overhead_job(*s.overhead, fleet.cfg.model, paths, not a.no_progress)
+        jobs.append(over)
+    runner.side_by_side(fleet, ["direct", *s.routers], jobs, pathlib.Path(a.run_dir))
+    for res, job in prepared:
+        res.runs = job.runs
+    return [r for r, _ in prepared], (runner.overhead_table(over) if over else None), shape
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,22 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     children = Children(run_dir)
     fleet = Fleet(FleetConfig(s.replicas, s.profile, s.time_scale), children)
-    results: list[report.WorkloadResult] = []
     notes: list[str] = []
-    overhead: dict[str, Any] | None = None
     try:
-        fleet.start()
-        shape = fleet.cache_shape()
-        for name in s.workloads:
-            trace = pathlib.Path(a.trace)
-            if name == "mooncake" and not trace.exists():
-                notes.append(f"mooncake skipped: no trace at {trace}")
-                print(f"[bench] {notes[-1]}", file=sys.stderr)
-                continue
-            results.append(run_workload(s, fleet, suites.build(s, name, trace), shape, a))
-        if not a.no_overhead:
-            paths = [p for p in ("cost", "vllm-router", "sglang-router") if p in s.routers]
-            overhead = runner.overhead(fleet, paths, *s.overhead, run_dir, progress=not a.no_progress)
+        results, overhead, shape = execute(s, a, fleet, notes)
     finally:
         children.stop()
     meta = {

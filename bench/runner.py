@@ -1,8 +1,13 @@
-"""Runners: routers side by side on one fleet, capacity calibration, and router overhead.
+"""Runners: capacity calibration, routers side by side on one fleet, and router overhead.
 
-Side by side: for each router, start it, reset every replica's prefix cache, send the same
-workload with the same arrival times, stop it. Hit rate comes from ``usage`` and is
+Side by side: each router is started once in front of the fleet and serves every workload in
+turn; before each workload every replica's prefix cache is reset, and the workload is sent with
+the same arrival times as for every other router. Workloads share no text, so what a router
+remembers from an earlier workload cannot turn into a hit. Hit rate comes from ``usage`` and is
 cross-checked against the replicas' ``vllm:prefix_cache_hits_total / queries_total`` deltas.
+
+Overhead: short requests at a fixed Poisson rate straight to the replicas (client round-robin)
+and through each router; added latency = the router's TTFT percentile minus the direct one.
 """
 
 from __future__ import annotations
@@ -24,29 +29,51 @@ class RouterRun:
     router: str
     summary: stats.Summary
     server_hit_rate: float
-    """From the replicas' prefix-cache counters over the run (queries include retries of none)."""
+    """Σ hits / Σ queries from the replicas' prefix-cache counters over the run."""
     ttfts: list[float]
 
 
-def run_one(
-    name: str, fleet: Fleet, w: Workload, cfg: loadgen.LoadConfig, run_dir: pathlib.Path
-) -> RouterRun:
-    with router(name, fleet, run_dir) as urls:
-        fleet.reset()
-        before = fleet.counters()
-        outcomes, wall = asyncio.run(loadgen.run(urls, w, dataclasses.replace(cfg, label=f"{w.name}/{name}")))
-        after = fleet.counters()
+@dataclass
+class Job:
+    """One workload with the load it is sent at; ``runs`` fills as routers serve it."""
+
+    workload: Workload
+    load: loadgen.LoadConfig
+    routers: frozenset[str] | None = None
+    """Routers that serve this job (None: all)."""
+    runs: list[RouterRun] = dataclasses.field(default_factory=list)
+
+
+def measure(name: str, urls: list[str], fleet: Fleet, w: Workload, cfg: loadgen.LoadConfig) -> RouterRun:
+    fleet.reset()
+    before = fleet.counters()
+    outcomes, wall = asyncio.run(loadgen.run(urls, w, dataclasses.replace(cfg, label=f"{w.name}/{name}")))
+    after = fleet.counters()
     q = after.queries - before.queries
     server_hit = (after.hits - before.hits) / q if q else 0.0
-    return RouterRun(
-        name, stats.summarize(outcomes, wall), server_hit, sorted(o.ttft for o in outcomes if o.ok)
-    )
+    ttfts = sorted(o.ttft for o in outcomes if o.ok)
+    return RouterRun(name, stats.summarize(outcomes, wall), server_hit, ttfts)
 
 
-def compare(
-    fleet: Fleet, w: Workload, routers: list[str], cfg: loadgen.LoadConfig, run_dir: pathlib.Path
-) -> list[RouterRun]:
-    return [run_one(name, fleet, w, cfg, run_dir) for name in routers]
+def side_by_side(
+    fleet: Fleet, routers: Sequence[str], jobs: Sequence[Job], run_dir: pathlib.Path, log: bool = True
+) -> None:
+    """Every router (``direct`` included, if named) serves every job that wants it, in order."""
+    for name in routers:
+        wanted = [j for j in jobs if j.routers is None or name in j.routers]
+        if not wanted:
+            continue
+        with router(name, fleet, run_dir) as urls:
+            for job in wanted:
+                run = measure(name, urls, fleet, job.workload, job.load)
+                job.runs.append(run)
+                if log:
+                    s = run.summary
+                    print(
+                        f"[bench] {job.workload.name:<24} {name:<14} hit {s.hit_rate:.3f}  TTFT p50 "
+                        f"{s.ttft_p50:.3f} p90 {s.ttft_p90:.3f}  {s.throughput_rps:.2f} req/s  errors {s.errors}",
+                        flush=True,
+                    )
 
 
 def calibrate(
@@ -58,37 +85,35 @@ def calibrate(
     progress: bool = True,
 ) -> float:
     """Capacity in requests/s: closed-loop throughput at ``concurrency``, replicas round-robined by
-    the client (no router), on the first ``max_requests`` independent requests of ``w``."""
+    the client (no router), on the first ``max_requests`` requests of ``w`` (sent independently)."""
     head = tuple(dataclasses.replace(r, after=None) for r in w.requests[:max_requests])
     cfg = loadgen.LoadConfig(mode="closed", concurrency=concurrency, model=fleet.cfg.model, progress=progress)
-    run = run_one("direct", fleet, Workload(f"{w.name}-calibration", head), cfg, run_dir)
+    run = measure("direct", fleet.urls, fleet, Workload(f"{w.name}-calibration", head), cfg)
     assert run.summary.errors == 0, f"calibration of {w.name} had {run.summary.errors} errors"
     return run.summary.throughput_rps
 
 
-def overhead_workload(n: int, prompt_tokens: int = 256, output_tokens: int = 8) -> Workload:
-    return no_sharing(n, prompt_tokens, output_tokens, seed=7, name="overhead")
+def overhead_job(n: int, rate: float, model: str, paths: Sequence[str], progress: bool = True) -> Job:
+    """256 prompt tokens → 8 output tokens at Poisson ``rate``, for ``direct`` and ``paths``."""
+    w = no_sharing(n, 256, 8, seed=7, name="overhead")
+    cfg = loadgen.LoadConfig(mode="poisson", rate=rate, model=model, progress=progress)
+    return Job(w, cfg, frozenset(["direct", *paths]))
 
 
-def overhead(
-    fleet: Fleet, paths: Sequence[str], n: int, rate: float, run_dir: pathlib.Path, progress: bool = True
-) -> dict[str, object]:
-    """Short requests (256 tokens in, 8 out) at a fixed Poisson ``rate``, straight to the replicas
-    (client round-robin) and through each router in ``paths``; added latency = router's TTFT
-    percentile minus the direct one."""
-    w = overhead_workload(n)
-    cfg = loadgen.LoadConfig(mode="poisson", rate=rate, model=fleet.cfg.model, progress=progress)
-    runs = [run_one(p, fleet, w, cfg, run_dir) for p in ["direct", *paths]]
-    base = runs[0].summary
-    out: dict[str, dict[str, float | int]] = {}
-    for r in runs:
+def overhead_table(job: Job) -> dict[str, object]:
+    base = next(r.summary for r in job.runs if r.router == "direct")
+    paths: dict[str, dict[str, float | int]] = {}
+    for r in job.runs:
         s = r.summary
-        out[r.router] = {
+        paths[r.router] = {
             "ttft_p50": s.ttft_p50,
             "ttft_p99": s.ttft_p99,
             "added_p50": s.ttft_p50 - base.ttft_p50,
             "added_p99": s.ttft_p99 - base.ttft_p99,
             "errors": s.errors,
         }
-    describe = f"{n} requests of 256 prompt tokens → 8 output tokens, Poisson {rate:g} req/s, TTFT measured at the client"
-    return {"describe": describe, "paths": out}
+    n, rate = len(job.workload.requests), job.load.rate
+    describe = (
+        f"{n} requests of 256 prompt tokens → 8 output tokens, Poisson {rate:g} req/s, TTFT at the client"
+    )
+    return {"describe": describe, "paths": paths}

@@ -27,6 +27,8 @@ class Suite:
     load_fraction: float = 0.8
     calib_per_replica: int = 16
     """Capacity = closed-loop throughput with this many requests in flight per replica."""
+    calib_max: int = 128
+    """At most this many requests in the calibration run."""
     routers: tuple[str, ...] = ROUTERS
     gsp: tuple[int, int, int, int, int] = (64, 16, 2048, 128, 256)
     """groups, prompts per group, system prompt, question, output (tokens)."""
@@ -45,10 +47,11 @@ SUITES = {
     "quick": Suite(
         "quick",
         gsp=(16, 16, 2048, 128, 128),
-        no_sharing=(192, 2176, 128),
-        multi_turn=(24, 6),
-        trace_rows=160,
-        overhead=(300, 20.0),
+        no_sharing=(160, 2176, 128),
+        multi_turn=(32, 4),
+        trace_rows=80,
+        overhead=(200, 20.0),
+        calib_max=96,
     ),
     "full": Suite("full"),
     # CI smoke run (tests/bench/test_smoke.py): the whole pipeline in well under 30 seconds
