@@ -41,6 +41,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated subset of the suite's workloads ('none': only the overhead runner)",
     )
     p.add_argument("--replicas", type=int, default=None)
+    p.add_argument(
+        "--picker-config",
+        default=None,
+        help="picker --config-file (e.g. to define extra policies to compare)",
+    )
     p.add_argument("--no-overhead", action="store_true", help="skip the router-overhead runner")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -101,7 +106,7 @@ def execute(
         paths = [p for p in ("cost", "vllm-router", "sglang-router") if p in s.routers]
         over = runner.overhead_job(*s.overhead, fleet.cfg.model, paths, not a.no_progress)
         jobs.append(over)
-    runner.side_by_side(fleet, ["direct", *s.routers], jobs, pathlib.Path(a.run_dir))
+    runner.side_by_side(fleet, ["direct", *s.routers], jobs, pathlib.Path(a.run_dir), a.picker_config)
     for res, job in prepared:
         res.runs = job.runs
     return [r for r, _ in prepared], (runner.overhead_table(over) if over else None), shape

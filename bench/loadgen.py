@@ -126,7 +126,9 @@ async def run(urls: list[str], w: Workload, cfg: LoadConfig) -> tuple[list[Outco
     outcomes = [Outcome(i) for i in range(len(w.requests))]
     finished = [asyncio.Event() for _ in w.requests]
     next_url: Callable[[], str] = itertools.cycle(urls).__next__
-    bar = tqdm(total=len(w.requests), desc=cfg.label or w.name, disable=not cfg.progress, leave=False)
+    bar = tqdm(
+        total=len(w.requests), desc=cfg.label or w.name, disable=None if cfg.progress else True, leave=False
+    )
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     t_start = time.perf_counter()

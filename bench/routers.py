@@ -29,11 +29,12 @@ ROUTERS = (*PICKER_POLICIES, *PEERS)
 _VENV_BIN = pathlib.Path(PY).parent
 
 
-def _picker_envoy(policy: str, fleet: Fleet, children: Children) -> str:
+def _picker_envoy(policy: str, fleet: Fleet, children: Children, config: str | None) -> str:
     grpc, health, metrics, listen, admin = (free_port() for _ in range(5))
     eps = ",".join(fleet.endpoints)
     args = ["--endpoints", eps, "--policy", policy, "--host", "127.0.0.1", "--log-level", "warning"]
     args += ["--grpc-port", str(grpc), "--grpc-health-port", str(health), "--metrics-port", str(metrics)]
+    args += ["--config-file", config] if config else []
     children.start("picker", [PY, "-m", "picker", *args])
     cfg = children.run_dir / "envoy.yaml"
     render = [PY, str(ROOT / "deploy/envoy/render.py"), "--listen-port", str(listen)]
@@ -73,19 +74,23 @@ def wait_routable(url: str, model: str, children: Children, timeout: float = 60.
 
 
 @contextlib.contextmanager
-def router(name: str, fleet: Fleet, run_dir: pathlib.Path) -> Iterator[list[str]]:
-    """Start ``name`` in front of ``fleet``; yields the URLs to send to (one, or the replicas)."""
+def router(
+    name: str, fleet: Fleet, run_dir: pathlib.Path, picker_config: str | None = None
+) -> Iterator[list[str]]:
+    """Start ``name`` in front of ``fleet``; yields the URLs to send to (one, or the replicas).
+    Any name that is not ``direct`` or a peer is a picker policy (built in, or defined in
+    ``picker_config``, the picker's ``--config-file``)."""
     if name == "direct":
         yield fleet.urls
         return
-    assert name in ROUTERS, f"unknown router {name!r}; known: direct, {', '.join(ROUTERS)}"
     d = run_dir / name
     d.mkdir(parents=True, exist_ok=True)
     children = Children(d)
     try:
-        url = (
-            _picker_envoy(name, fleet, children) if name in PICKER_POLICIES else _peer(name, fleet, children)
-        )
+        if name in PEERS:
+            url = _peer(name, fleet, children)
+        else:
+            url = _picker_envoy(name, fleet, children, picker_config)
         wait_routable(url, fleet.cfg.model, children)
         yield [url]
     finally:

@@ -56,14 +56,19 @@ def measure(name: str, urls: list[str], fleet: Fleet, w: Workload, cfg: loadgen.
 
 
 def side_by_side(
-    fleet: Fleet, routers: Sequence[str], jobs: Sequence[Job], run_dir: pathlib.Path, log: bool = True
+    fleet: Fleet,
+    routers: Sequence[str],
+    jobs: Sequence[Job],
+    run_dir: pathlib.Path,
+    picker_config: str | None = None,
+    log: bool = True,
 ) -> None:
     """Every router (``direct`` included, if named) serves every job that wants it, in order."""
     for name in routers:
         wanted = [j for j in jobs if j.routers is None or name in j.routers]
         if not wanted:
             continue
-        with router(name, fleet, run_dir) as urls:
+        with router(name, fleet, run_dir, picker_config) as urls:
             for job in wanted:
                 run = measure(name, urls, fleet, job.workload, job.load)
                 job.runs.append(run)
