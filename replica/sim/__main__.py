@@ -1,4 +1,5 @@
-"""``python -m replica.sim --port P``: a vLLM-compatible simulated replica (OpenAI API, vLLM metrics)."""
+"""``python -m replica.sim --port P``: a vLLM-compatible simulated replica (OpenAI API, vLLM
+metrics, vLLM KV events). Ready when ``GET /health`` answers 200."""
 
 from __future__ import annotations
 
@@ -7,29 +8,31 @@ import asyncio
 import contextlib
 
 from .costmodel import profile
-from .engine import Engine, EngineConfig
+from .engine import AsyncEngine, EngineConfig, EngineCore
 from .kv_events import Publisher
 from .scheduler import SchedulerConfig
 from .server import make_app, serve
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m replica.sim", description=__doc__)
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a container)")
     p.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
     p.add_argument(
-        "--profile", default="h100-llama-3.1-8b", help="cpu-test, or <gpu>-<model> e.g. a100-qwen3-32b"
+        "--profile", default="h100-llama-3.1-8b", help="cpu-test, or <gpu>-<model>, e.g. a100-qwen3-32b"
     )
     p.add_argument(
         "--time-scale", type=float, default=1.0, help="multiply every step time (0.1 = 10x faster)"
     )
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int, default=0, help="KV blocks (0: derived from the profile)")
+    p.add_argument(
+        "--num-gpu-blocks", "--kv-blocks", type=int, default=0, help="KV blocks (0: derived from the profile)"
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument(
-        "--page-aligned-prefill", action="store_true", help="non-final prefill chunks are whole blocks"
+        "--page-aligned-prefill", action="store_true", help="non-final prefill chunks end on a block"
     )
     p.add_argument(
         "--cache-aware-admission", action="store_true", help="longest cached prefix first, within --aging-s"
@@ -41,26 +44,52 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--kv-events-port", type=int, default=0, help="publish vLLM KV events on tcp://HOST:PORT (0: off)"
     )
-    p.add_argument("--lora-modules", nargs="*", default=[], help="adapter names served besides --model")
-    a = p.parse_args(argv)
-    cfg = EngineConfig(
+    p.add_argument("--kv-events-topic", default="kv")
+    p.add_argument(
+        "--lora-modules",
+        nargs="*",
+        default=[],
+        help="adapters served besides --model: NAME or NAME=PATH (as vLLM)",
+    )
+    p.add_argument("--max-loras", type=int, default=1)
+    return p
+
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
         a.block_size,
         a.num_gpu_blocks,
         a.time_scale,
         SchedulerConfig(
-            a.max_num_batched_tokens,
-            a.max_num_seqs,
-            a.page_aligned_prefill,
-            a.cache_aware_admission,
-            a.aging_s,
-            a.dedupe_shared_prefixes,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            max_num_seqs=a.max_num_seqs,
+            page_aligned=a.page_aligned_prefill,
+            cache_aware=a.cache_aware_admission,
+            aging_s=a.aging_s,
+            dedupe=a.dedupe_shared_prefixes,
         ),
     )
 
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    loras = tuple(m.partition("=")[0] for m in a.lora_modules)
+    prof = profile(a.profile)
+
     async def run() -> None:
-        events = Publisher(f"tcp://{a.host}:{a.kv_events_port}") if a.kv_events_port else None
-        engine = Engine(profile(a.profile), cfg, events)
-        await serve(make_app(engine, a.model, frozenset(a.lora_modules)), engine, a.host, a.port)
+        events = None
+        if a.kv_events_port:
+            lora_ids = {name: i + 1 for i, name in enumerate(loras)}
+            events = Publisher(
+                f"tcp://{a.host}:{a.kv_events_port}", a.block_size, a.kv_events_topic, lora_ids
+            )
+        core = EngineCore(prof, engine_config(a), events.publish if events else None)
+        engine = AsyncEngine(core)
+        try:
+            await serve(make_app(engine, a.model, loras, a.max_loras), engine, a.host, a.port)
+        finally:
+            if events is not None:
+                events.close()
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())

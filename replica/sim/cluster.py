@@ -28,15 +28,16 @@ from picker.request import InferenceRequest
 from picker.router import Router, Ticket
 
 from . import trace
-from .blocks import BlockPool
 from .costmodel import Profile, profile
-from .scheduler import Request, Scheduler, SchedulerConfig
+from .engine import EngineConfig, EngineCore, Step
+from .request import Request
+from .scheduler import SchedulerConfig
 
 
 @dataclass(eq=False)
 class Replica:
     key: str
-    sched: Scheduler
+    core: EngineCore
     busy: bool = False
     tickets: dict[int, tuple[Ticket, float]] = field(default_factory=dict)
 
@@ -72,11 +73,8 @@ class Cluster:
         self.pool = Pool()
         self.pool.set_endpoints(Endpoint(f"10.0.{i // 250}.{i % 250 + 1}", 8000) for i in range(n))
         self.router = Router(RouterConfig(policy=policy), self.pool, clock=lambda: self.now)
-        blocks = prof.num_gpu_blocks(block_size)
-        self.replicas = {
-            s.key: Replica(s.key, Scheduler(BlockPool(blocks, block_size), sched or SchedulerConfig()))
-            for s in self.pool
-        }
+        cfg = EngineConfig(block_size, scheduler=sched or SchedulerConfig())
+        self.replicas = {s.key: Replica(s.key, EngineCore(prof, cfg)) for s in self.pool}
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
         self.ttfts: list[float] = []
@@ -89,13 +87,11 @@ class Cluster:
     def _kick(self, rep: Replica) -> None:
         if rep.busy:
             return
-        out = rep.sched.schedule(self.now)
-        if not out:
+        step = rep.core.begin(self.now)
+        if step is None:
             return
-        prefill = [(n, r.num_computed) for r, n in out if r.prefill_left > 0]
-        decode = [r.num_computed for r, n in out if r.prefill_left == 0]
         rep.busy = True
-        self._push(self.now + self.prof.step_time(prefill, decode), "step", (rep, out))
+        self._push(self.now + step.duration, "step", (rep, step))
 
     def _arrive(self, row: trace.Row) -> None:
         toks, text = trace.tokens_and_text(row)
@@ -106,16 +102,19 @@ class Cluster:
         except PickerError:
             self.errors += 1
             return
-        ticket = self.router.start(decision)
         rep = self.replicas[decision.primary.key]
-        req = Request(toks, row.output_length, rep.sched.pool.block_size, arrival=self.now)
+        if row.input_length + row.output_length > rep.core.max_model_len:
+            self.errors += 1  # vLLM answers 400: longer than max_model_len
+            return
+        ticket = self.router.start(decision)
+        req = Request(toks, row.output_length, rep.core.pool.block_size, arrival=self.now)
         rep.tickets[req.request_id] = (ticket, self.now)
-        rep.sched.add(req)
+        rep.core.sched.add(req)
         self._kick(rep)
 
-    def _step(self, rep: Replica, out: list[tuple[Request, int]]) -> None:
+    def _step(self, rep: Replica, step: Step) -> None:
         rep.busy = False
-        for req in rep.sched.update(out, self.now):
+        for req in rep.core.end(step, self.now):
             ticket, arrived = rep.tickets[req.request_id]
             if req.num_output == 1:
                 self.router.first_token(ticket)
@@ -131,9 +130,11 @@ class Cluster:
             state = self.pool.get(rep.key)
             assert state is not None, f"replica {rep.key} left the pool"
             m = state.metrics
-            m.waiting, m.running = float(len(rep.sched.waiting)), float(len(rep.sched.running))
-            m.kv_usage = rep.sched.pool.usage()
-            m.block_size, m.num_gpu_blocks = rep.sched.pool.block_size, len(rep.sched.pool.blocks)
+            sched, kv = rep.core.sched, rep.core.pool
+            m.waiting, m.running = float(len(sched.waiting)), float(len(sched.running))
+            m.kv_usage = kv.usage()
+            m.block_size, m.num_gpu_blocks = kv.block_size, kv.num_blocks
+            m.prefix_queries_total, m.prefix_hits_total = float(sched.queries), float(sched.hits)
             m.updated_at = self.now
             state.health = Health.READY
             self.router.refresh_capacity(state)
@@ -156,8 +157,8 @@ class Cluster:
                     self._push(self.now + scrape_s, "scrape", None)
 
     def hit_rate(self) -> float:
-        q = sum(r.sched.queries for r in self.replicas.values())
-        return sum(r.sched.hits for r in self.replicas.values()) / q if q else 0.0
+        q = sum(r.core.sched.queries for r in self.replicas.values())
+        return sum(r.core.sched.hits for r in self.replicas.values()) / q if q else 0.0
 
 
 def simulate(

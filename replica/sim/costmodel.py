@@ -1,24 +1,36 @@
 """Roofline step-time model: how long one engine step takes on a GPU profile.
 
-    t(step) = overhead + max(FLOPs / (peak_flops * mfu), bytes / (hbm_bw * mbu))
-    FLOPs   = 2 * params * tokens + 4 * layers * hidden * Σ(context of each prefill token)
-    bytes   = weight_bytes / tp + Σ(context of each decode request) * kv_bytes_per_token / tp
+A step computes ``n_i`` new tokens for each scheduled request ``i`` whose context (tokens already
+in its KV cache) is ``c_i``; a decode is ``n_i = 1``. With ``P`` parameters, ``L`` layers, query
+width ``D = heads × head_dim``, ``K`` KV bytes per token and tensor parallelism ``tp``::
 
-Assumed figures (bf16): H100 SXM 989 TFLOP/s dense, 3.35 TB/s; H200 989 TFLOP/s, 4.8 TB/s;
-A100 80GB 312 TFLOP/s, 2.0 TB/s; L4 121 TFLOP/s, 0.3 TB/s; MFU 0.5, MBU 0.8, 4 ms step overhead.
-Llama-3.1-8B: 8.03e9 params, 32 layers, hidden 4096, 8 KV heads × 128 → 128 KiB KV per token.
+    FLOPs = (2·P·Σn_i + 4·L·D·Σ(n_i·c_i + n_i²/2)) / tp      (linear layers + attention)
+    bytes = (2·P + K·Σ(c_i + n_i)) / tp                       (bf16 weights once + KV read/written)
+    t     = overhead + max(FLOPs / (peak_flops·MFU), bytes / (hbm_bw·MBU))
 
-Predicted, Llama-3.1-8B on one H100 (``python -m replica.sim.costmodel``): a 1,024-token prompt's
-prefill ≈ 4 ms + 16.4 TFLOP / 495 TFLOP/s ≈ 37 ms TTFT on an idle engine; a batch-1 decode step
-≈ 4 ms + 16 GB / 2.7 TB/s ≈ 10 ms (≈ 100 tokens/s per sequence). vLLM's published H100 figures for
-Llama-3-8B (vLLM v0.6.0 performance blog, Sept 2024) report TTFT in the tens of milliseconds at low
-load and about 10 ms per output token — the same order as this model.
+TP all-reduce time is not modelled (it hides under the overhead at these sizes). KV capacity:
+``num_gpu_blocks = (mem·tp·0.9 − 2·P) / (K·block_size)`` (vLLM's default 0.9 memory utilization).
 
-The ``cpu-test`` profile is deliberately small and fast for tests and laptops.
+Assumed figures (bf16, dense): H100 SXM 989 TFLOP/s, 3.35 TB/s, 80 GB; H200 989 TFLOP/s,
+4.8 TB/s, 141 GB; A100 80GB 312 TFLOP/s, 2.04 TB/s; L4 121 TFLOP/s, 0.3 TB/s, 24 GB.
+MFU 0.5, MBU 0.8, 2 ms per-step overhead (scheduling, sampling, kernel launches).
+Models: Llama-3.1-8B (8.03e9 params, 32 layers, D 4096, 8 KV heads × 128 → K = 128 KiB);
+Llama-3.1-70B (70.6e9, 80 layers, D 8192, K = 320 KiB, TP 4); Qwen3-32B (32.8e9, 64 layers,
+64 query heads × 128 → D 8192, 8 KV heads → K = 256 KiB, TP 2).
+
+Predicted (``python -m replica.sim.costmodel``), Llama-3.1-8B on one H100: TTFT of a 1,024-token
+prompt on an idle engine 36 ms; a batch-1 decode step 8.0 ms, i.e. 125 tokens/s per sequence.
+Published, vLLM's own CI performance dashboard (buildkite.com/vllm/performance-benchmark, build
+9515, test ``latency_llama8B_tp1``): Llama-3.1-8B on one H200, batch 8, 32 tokens in, 128 out:
+833 ms end to end (6.5 ms per step). This model gives 799 ms for that test on ``h200-llama-3.1-8b``.
+
+``cpu-test`` is a fixed, fast profile for tests and laptops (1 ms + 2 µs per token + 20 µs per
+sequence). Every step time is multiplied by the engine's ``--time-scale``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -33,7 +45,7 @@ class Gpu:
 class Model:
     params: float
     layers: int
-    hidden: int
+    attn_width: int  # query heads × head dim
     kv_bytes_per_token: int
     tp: int = 1
 
@@ -41,13 +53,13 @@ class Model:
 GPUS = {
     "h100": Gpu(989e12, 3.35e12, 80e9),
     "h200": Gpu(989e12, 4.8e12, 141e9),
-    "a100": Gpu(312e12, 2.0e12, 80e9),
+    "a100": Gpu(312e12, 2.04e12, 80e9),
     "l4": Gpu(121e12, 0.3e12, 24e9),
 }
 MODELS = {
     "llama-3.1-8b": Model(8.03e9, 32, 4096, 131072),
     "llama-3.1-70b": Model(70.6e9, 80, 8192, 327680, tp=4),
-    "qwen3-32b": Model(32.8e9, 64, 5120, 262144, tp=2),
+    "qwen3-32b": Model(32.8e9, 64, 8192, 262144, tp=2),
 }
 
 
@@ -58,19 +70,21 @@ class Profile:
     model: Model | None
     mfu: float = 0.5
     mbu: float = 0.8
-    overhead_s: float = 0.004
+    overhead_s: float = 0.002
 
-    def step_time(self, prefill: list[tuple[int, int]], decode_contexts: list[int]) -> float:
-        """``prefill``: (new tokens, context before them) per prefilling request;
-        ``decode_contexts``: context length of each decoding request."""
-        if self.gpu is None or self.model is None:  # cpu-test: fixed costs, fast
-            new = sum(n for n, _ in prefill)
-            return 0.001 + new * 2e-6 + len(decode_contexts) * 2e-5
+    def step_time(self, batch: Sequence[tuple[int, int]]) -> float:
+        """Seconds for one step; ``batch``: (new tokens, context before them) per request."""
+        if self.gpu is None or self.model is None:  # cpu-test
+            return 0.001 + sum(n for n, _ in batch) * 2e-6 + len(batch) * 2e-5
         g, m = self.gpu, self.model
-        tokens = sum(n for n, _ in prefill) + len(decode_contexts)
-        attn = sum(4 * m.layers * m.hidden * (n * ctx + n * n / 2) for n, ctx in prefill)
-        flops = (2 * m.params * tokens + attn) / m.tp
-        nbytes = (2 * m.params + sum(decode_contexts) * m.kv_bytes_per_token) / m.tp
+        tokens = ctx_tokens = 0
+        attn = 0.0
+        for n, c in batch:
+            tokens += n
+            ctx_tokens += c + n
+            attn += n * c + n * n / 2
+        flops = (2 * m.params * tokens + 4 * m.layers * m.attn_width * attn) / m.tp
+        nbytes = (2 * m.params + ctx_tokens * m.kv_bytes_per_token) / m.tp
         return self.overhead_s + max(flops / (g.flops * self.mfu), nbytes / (g.bw * self.mbu))
 
     def num_gpu_blocks(self, block_size: int, gpu_memory_utilization: float = 0.9) -> int:
@@ -92,10 +106,21 @@ def profile(name: str) -> Profile:
     return Profile(name, GPUS[gpu], MODELS[model])
 
 
+def latency_test(p: Profile, batch: int, prompt: int, output: int) -> float:
+    """End-to-end seconds of ``batch`` identical requests run together (vLLM's latency test)."""
+    total = p.step_time([(prompt, 0)] * batch)
+    for k in range(1, output):
+        total += p.step_time([(1, prompt + k - 1)] * batch)
+    return total
+
+
 if __name__ == "__main__":
-    p = profile("h100-llama-3.1-8b")
-    print(
-        f"{p.name}: TTFT(1024 tokens, idle) = {p.step_time([(1024, 0)], []) * 1e3:.1f} ms; "
-        f"decode step (batch 1, ctx 1024) = {p.step_time([], [1024]) * 1e3:.1f} ms; "
-        f"KV blocks of 16 = {p.num_gpu_blocks(16)}"
-    )
+    for name in ("h100-llama-3.1-8b", "h200-llama-3.1-8b"):
+        p = profile(name)
+        step = p.step_time([(1, 1024)])
+        print(
+            f"{name}: TTFT(1024 tokens, idle) {p.step_time([(1024, 0)]) * 1e3:.1f} ms; "
+            f"decode step (batch 1, ctx 1024) {step * 1e3:.1f} ms = {1 / step:.0f} tok/s; "
+            f"latency test (batch 8, 32 in, 128 out) {latency_test(p, 8, 32, 128) * 1e3:.0f} ms; "
+            f"KV blocks of 16: {p.num_gpu_blocks(16)}"
+        )

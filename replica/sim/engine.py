@@ -1,19 +1,22 @@
-"""The simulated engine: scheduler steps timed by the cost model, driven in real time by asyncio.
+"""The simulated engine: one step is schedule → step time from the cost model → apply.
 
-Each step: schedule → step time from the roofline model (× ``time_scale``) → sleep → apply, then
-wake the requests that produced a token. Requests wait on an asyncio.Queue of token counts.
+``EngineCore`` owns the block pool and the scheduler and knows nothing about clocks: ``begin``
+schedules a step and says how long it takes; ``end`` applies it at the time the driver says.
+Two drivers advance time: ``AsyncEngine`` (here) sleeps in real time for the HTTP server, and
+``replica.sim.cluster`` runs many cores in discrete-event time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .blocks import BlockPool
+from .blocks import BlockPool, Event
 from .costmodel import Profile
-from .kv_events import Publisher, drain
-from .scheduler import Request, Scheduler, SchedulerConfig
+from .request import Request
+from .scheduler import Batch, Scheduler, SchedulerConfig
 
 
 @dataclass
@@ -24,52 +27,78 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
-class Engine:
-    def __init__(self, profile: Profile, cfg: EngineConfig, events: Publisher | None = None) -> None:
+@dataclass(slots=True)
+class Step:
+    batch: Batch
+    duration: float
+
+
+class EngineCore:
+    def __init__(
+        self, profile: Profile, cfg: EngineConfig, on_events: Callable[[list[Event]], None] | None = None
+    ) -> None:
         self.profile, self.cfg = profile, cfg
         blocks = cfg.num_gpu_blocks or profile.num_gpu_blocks(cfg.block_size)
-        self.pool = BlockPool(blocks, cfg.block_size)
+        self.pool = BlockPool(blocks, cfg.block_size, record_events=on_events is not None)
         self.sched = Scheduler(self.pool, cfg.scheduler)
+        self.on_events = on_events
+        self.max_model_len = (blocks - 1) * cfg.block_size
+
+    def begin(self, now: float) -> Step | None:
+        batch = self.sched.schedule(now)
+        if not batch:
+            return None
+        duration = self.profile.step_time([(n, r.num_computed) for r, n in batch]) * self.cfg.time_scale
+        return Step(batch, duration)
+
+    def end(self, step: Step, now: float) -> list[Request]:
+        """Apply a step at ``now``; returns the requests that sampled a token."""
+        produced = self.sched.update(step.batch, now)
+        if self.on_events is not None:
+            events = self.pool.take_events()
+            if events:
+                self.on_events(events)
+        return produced
+
+
+class AsyncEngine:
+    """Real-time driver: each request gets an asyncio.Queue fed with its output count per token."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
         self.queues: dict[int, asyncio.Queue[int]] = {}
         self._wake = asyncio.Event()
-        self.finished = 0
-        self.events = events
 
     def submit(self, req: Request) -> asyncio.Queue[int]:
         req.arrival = time.monotonic()
         q: asyncio.Queue[int] = asyncio.Queue()
         self.queues[req.request_id] = q
-        self.sched.add(req)
+        self.core.sched.add(req)
         self._wake.set()
         return q
 
     def cancel(self, req: Request) -> None:
-        """Client went away: drop the request wherever it is."""
+        """The client went away: free the request wherever it is."""
         self.queues.pop(req.request_id, None)
-        if req in self.sched.waiting:
-            self.sched.waiting.remove(req)
-        elif req in self.sched.running:
-            self.sched.running.remove(req)
-            self.pool.release(req.blocks)
-            req.blocks = []
+        self.core.sched.abort(req)
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.core.pool.reset()
+        if ok and self.core.on_events is not None:
+            self.core.on_events(self.core.pool.take_events())
+        return ok
 
     async def run(self) -> None:
         while True:
-            scheduled = self.sched.schedule(time.monotonic())
-            if not scheduled:
+            step = self.core.begin(time.monotonic())
+            if step is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            prefill = [(n, r.num_computed) for r, n in scheduled if r.prefill_left > 0]
-            decode = [r.num_computed for r, n in scheduled if r.prefill_left == 0]
-            await asyncio.sleep(self.profile.step_time(prefill, decode) * self.cfg.time_scale)
-            produced = self.sched.update(scheduled, time.monotonic())
-            if self.events is not None:
-                self.events.publish(drain(self.pool))
-            for req in produced:
+            await asyncio.sleep(step.duration)
+            for req in self.core.end(step, time.monotonic()):
                 q = self.queues.get(req.request_id)
                 if q is not None:
                     q.put_nowait(req.num_output)
                 if req.finished:
                     self.queues.pop(req.request_id, None)
-                    self.finished += 1

@@ -1,8 +1,9 @@
-"""OpenAI-compatible HTTP front of the simulated engine, with vLLM's metric names.
+"""OpenAI-compatible HTTP front of the simulated engine (aiohttp, TCP_NODELAY).
 
-Routes: POST /v1/completions, POST /v1/chat/completions (SSE when ``stream``), GET /v1/models,
+Routes: POST /v1/completions and /v1/chat/completions (SSE when ``stream``), GET /v1/models,
 GET /health, GET /metrics, POST /reset_prefix_cache. ``usage.prompt_tokens_details.cached_tokens``
-reports the prefix-cache hit of each request.
+is the request's prefix-cache hit. A body may carry ``cache_salt``; ``model`` may name a served
+LoRA adapter. ``max_tokens`` / ``max_completion_tokens`` (default 16) set the output length.
 """
 
 from __future__ import annotations
@@ -15,207 +16,166 @@ import uuid
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from . import tokenizer
-from .engine import Engine
-from .scheduler import Request
+from .engine import AsyncEngine
+from .metrics import Metrics
+from .request import Request
 
 
-class Metrics:
-    def __init__(self, engine: Engine, model: str) -> None:
-        r = self.registry = CollectorRegistry()
-        lbl = {"model_name": model, "engine": "0"}
-        names = ["model_name", "engine"]
-        self.running = Gauge("vllm:num_requests_running", "Running requests", names, registry=r).labels(**lbl)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Waiting requests", names, registry=r).labels(**lbl)
-        self.kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0-1", names, registry=r).labels(**lbl)
-        info = Gauge(
-            "vllm:cache_config_info",
-            "Cache config",
-            ["block_size", "num_gpu_blocks", "enable_prefix_caching", "engine"],
-            registry=r,
-        )
-        info.labels(str(engine.pool.block_size), str(len(engine.pool.blocks)), "True", "0").set(1)
-        self.queries = Counter(
-            "vllm:prefix_cache_queries", "Prefix-cache queries, tokens", names, registry=r
-        ).labels(**lbl)
-        self.hits = Counter("vllm:prefix_cache_hits", "Prefix-cache hits, tokens", names, registry=r).labels(
-            **lbl
-        )
-        self.success = Counter("vllm:request_success", "Finished requests", names, registry=r).labels(**lbl)
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "TTFT",
-            names,
-            registry=r,
-            buckets=(
-                0.001,
-                0.005,
-                0.01,
-                0.02,
-                0.04,
-                0.06,
-                0.08,
-                0.1,
-                0.25,
-                0.5,
-                0.75,
-                1.0,
-                2.5,
-                5.0,
-                7.5,
-                10.0,
-                20.0,
-                40.0,
-                80.0,
-            ),
-        ).labels(**lbl)
-        self.engine = engine
-        self._seen = (0, 0)
-
-    def render(self) -> bytes:
-        e = self.engine
-        self.running.set(len(e.sched.running))
-        self.waiting.set(len(e.sched.waiting))
-        self.kv.set(e.pool.usage())
-        q, h = e.sched.queries, e.sched.hits
-        self.queries.inc(q - self._seen[0])
-        self.hits.inc(h - self._seen[1])
-        self._seen = (q, h)
-        return generate_latest(self.registry)
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _prompt(doc: dict[str, Any]) -> list[int]:
     if "messages" in doc:
+        msgs = doc["messages"]
+        if not isinstance(msgs, list):
+            raise BadRequest("messages must be a list")
         text = "".join(
             f"<|{m.get('role', '')}|>{m.get('content', '')}"
-            for m in doc["messages"]
+            for m in msgs
             if isinstance(m, dict) and isinstance(m.get("content", ""), str)
         )
         return tokenizer.encode(text)
     p = doc.get("prompt", "")
-    if isinstance(p, list) and all(isinstance(t, int) for t in p):
+    if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
         return list(p)
     if isinstance(p, list):
         p = p[0] if p else ""
     return tokenizer.encode(str(p))
 
 
-def make_app(engine: Engine, model: str, loras: frozenset[str] = frozenset()) -> web.Application:
-    metrics = Metrics(engine, model)
+class Api:
+    def __init__(self, engine: AsyncEngine, model: str, loras: tuple[str, ...], metrics: Metrics) -> None:
+        self.engine, self.model, self.loras, self.metrics = engine, model, loras, metrics
 
-    async def complete(req: web.Request) -> web.StreamResponse:
-        chat = req.path.endswith("/chat/completions")
-        try:
-            doc = json.loads(await req.read())
-            assert isinstance(doc, dict)
-        except (ValueError, AssertionError):
-            return web.json_response({"error": {"message": "body must be a JSON object"}}, status=400)
-        name = doc.get("model", model)
-        if name != model and name not in loras:
-            return web.json_response({"error": {"message": f"model {name!r} does not exist"}}, status=404)
+    def parse(self, doc: Any) -> Request:
+        if not isinstance(doc, dict):
+            raise BadRequest("body must be a JSON object")
+        name = doc.get("model", self.model)
+        if name != self.model and name not in self.loras:
+            raise BadRequest(f"The model `{name}` does not exist.", 404)
         prompt = _prompt(doc) or [0]
         max_tokens = int(doc.get("max_completion_tokens") or doc.get("max_tokens") or 16)
-        r = Request(
-            prompt,
-            max(1, max_tokens),
-            engine.pool.block_size,
-            lora=name if name in loras else "",
-            salt=str(doc.get("cache_salt", "")),
+        limit = self.engine.core.max_model_len
+        if len(prompt) + max_tokens > limit:
+            raise BadRequest(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) > max_model_len ({limit})")
+        core = self.engine.core
+        lora = name if name in self.loras else ""
+        return Request(
+            prompt, max(1, max_tokens), core.pool.block_size, lora, str(doc.get("cache_salt") or "")
         )
-        t0 = time.monotonic()
-        q = engine.submit(r)
-        rid, created = f"cmpl-{uuid.uuid4().hex[:16]}", int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
 
-        def usage() -> dict[str, Any]:
-            return {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": r.num_output,
-                "total_tokens": len(prompt) + r.num_output,
-                "prompt_tokens_details": {"cached_tokens": r.num_cached},
-            }
-
-        def choice(text: str, done: bool) -> dict[str, Any]:
-            fin = "length" if done else None
-            if chat:
-                return {
-                    "index": 0,
-                    ("delta" if doc.get("stream") else "message"): {"role": "assistant", "content": text},
-                    "finish_reason": fin,
-                }
-            return {"index": 0, "text": text, "finish_reason": fin}
-
+    async def complete(self, http: web.Request) -> web.StreamResponse:
+        chat = http.path.endswith("/chat/completions")
         try:
-            if not doc.get("stream"):
-                while not r.finished:
+            doc = json.loads(await http.read())
+            req = self.parse(doc)
+        except ValueError as exc:
+            return web.json_response({"error": {"message": f"bad JSON: {exc}"}}, status=400)
+        except BadRequest as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=exc.status)
+        reply = Reply(req, chat, doc.get("model", self.model), bool(doc.get("stream")))
+        q = self.engine.submit(req)
+        try:
+            if not reply.stream:
+                while not req.finished:
                     await q.get()
-                metrics.ttft.observe((r.first_token_at or time.monotonic()) - t0)
-                metrics.success.inc()
-                text = "".join(tokenizer.decode_token(i) for i in range(r.num_output))
-                return web.json_response(
-                    {
-                        "id": rid,
-                        "object": obj,
-                        "created": created,
-                        "model": name,
-                        "choices": [choice(text, True)],
-                        "usage": usage(),
-                    }
-                )
+                self._observe(req, reply.t0)
+                return web.json_response(reply.whole())
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(req)
+            await resp.prepare(http)
             sent = 0
-            while sent < r.max_tokens:
+            while sent < req.max_tokens:
                 n = await q.get()
-                if sent == 0:
-                    metrics.ttft.observe(time.monotonic() - t0)
-                text = "".join(tokenizer.decode_token(i) for i in range(sent, n))
+                await resp.write(reply.sse(reply.chunk(sent, n)))
                 sent = n
-                chunk = {
-                    "id": rid,
-                    "object": f"{obj}.chunk",
-                    "created": created,
-                    "model": name,
-                    "choices": [choice(text, r.finished)],
-                }
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if (doc.get("stream_options") or {}).get("include_usage", True):
-                final = {
-                    "id": rid,
-                    "object": f"{obj}.chunk",
-                    "created": created,
-                    "model": name,
-                    "choices": [],
-                    "usage": usage(),
-                }
-                await resp.write(f"data: {json.dumps(final)}\n\n".encode())
+                await resp.write(reply.sse(reply.usage_chunk()))
             await resp.write(b"data: [DONE]\n\n")
-            metrics.success.inc()
+            self._observe(req, reply.t0)
             return resp
         except (asyncio.CancelledError, ConnectionResetError):
-            engine.cancel(r)
+            self.engine.cancel(req)
             raise
 
+    def _observe(self, req: Request, t0: float) -> None:
+        m = self.metrics
+        m.ttft.observe((req.first_token_at or time.monotonic()) - t0)
+        m.prompt.inc(len(req.prompt))
+        m.gen.inc(req.num_output)
+        m.success.inc()
+
+
+class Reply:
+    """OpenAI response bodies for one request."""
+
+    def __init__(self, req: Request, chat: bool, model: str, stream: bool) -> None:
+        self.req, self.chat, self.model, self.stream = req, chat, model, stream
+        self.id, self.created, self.t0 = f"cmpl-{uuid.uuid4().hex[:16]}", int(time.time()), time.monotonic()
+        self.obj = "chat.completion" if chat else "text_completion"
+
+    def usage(self) -> dict[str, Any]:
+        p, n = len(self.req.prompt), self.req.num_output
+        cached = max(0, self.req.num_cached_tokens)
+        return {
+            "prompt_tokens": p,
+            "completion_tokens": n,
+            "total_tokens": p + n,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def choice(self, text: str, done: bool) -> dict[str, Any]:
+        fin = "length" if done else None
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": fin}
+        body = {"role": "assistant", "content": text}
+        return {"index": 0, ("delta" if self.stream else "message"): body, "finish_reason": fin}
+
+    def head(self, suffix: str = "") -> dict[str, Any]:
+        return {"id": self.id, "object": self.obj + suffix, "created": self.created, "model": self.model}
+
+    def whole(self) -> dict[str, Any]:
+        text = tokenizer.decode_outputs(0, self.req.num_output)
+        return {**self.head(), "choices": [self.choice(text, True)], "usage": self.usage()}
+
+    def chunk(self, start: int, stop: int) -> dict[str, Any]:
+        done = stop >= self.req.max_tokens
+        return {**self.head(".chunk"), "choices": [self.choice(tokenizer.decode_outputs(start, stop), done)]}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self.head(".chunk"), "choices": [], "usage": self.usage()}
+
+    @staticmethod
+    def sse(doc: dict[str, Any]) -> bytes:
+        return f"data: {json.dumps(doc)}\n\n".encode()
+
+
+def make_app(
+    engine: AsyncEngine, model: str, loras: tuple[str, ...] = (), max_loras: int = 1
+) -> web.Application:
+    api = Api(engine, model, loras, Metrics(engine.core, model, loras, max_loras))
+
     async def models(_: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [{"id": m, "object": "model"} for m in [model, *loras]]}
-        )
+        data = [{"id": m, "object": "model", "owned_by": "kvpick-sim"} for m in (model, *loras)]
+        return web.json_response({"object": "list", "data": data})
 
     async def prom(_: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+        return web.Response(body=api.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
     async def reset(_: web.Request) -> web.Response:
-        ok = engine.pool.reset()
+        ok = engine.reset_prefix_cache()
         return web.json_response({"reset": ok}, status=200 if ok else 409)
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="")
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.router.add_post("/v1/completions", complete)
-    app.router.add_post("/v1/chat/completions", complete)
+    app.router.add_post("/v1/completions", api.complete)
+    app.router.add_post("/v1/chat/completions", api.complete)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", prom)
     app.router.add_get("/health", health)
@@ -223,7 +183,8 @@ def make_app(engine: Engine, model: str, loras: frozenset[str] = frozenset()) ->
     return app
 
 
-async def serve(app: web.Application, engine: Engine, host: str, port: int) -> None:
+async def serve(app: web.Application, engine: AsyncEngine, host: str, port: int) -> None:
+    """Serve until cancelled; the socket has TCP_NODELAY (DESIGN §5: delayed-ACK stalls)."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -1,10 +1,12 @@
 """Mooncake-format traces → prompts. Shared by the cluster mode and the benchmarks.
 
 Each row is ``{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [...]}``
-and each hash id names a 512-token block. Block ``h`` becomes 512 deterministic tokens, and the
-matching text of exactly 4 characters per token (the simulator tokenizer's ratio), so rows that
-share their first ``k`` hash ids share exactly ``k × 512`` tokens and ``k × 2048`` characters.
-Tokens past the listed blocks are unique to the row.
+and each hash id names a 512-token block. Block ``h`` becomes 2,048 characters of text (a
+16-character pattern drawn from ``xxh64(h)``, repeated) and its tokens are exactly
+``tokenizer.encode`` of that text (4 characters per token, ``replica.sim.tokenizer``). So rows
+that share their first ``k`` hash ids share exactly ``k × 512`` tokens and ``k × 2048``
+characters, whether a replica sees the token ids (cluster mode) or the text (benchmarks over
+HTTP). Tokens past the listed blocks are the row's own (a pattern with ``~``, which no block has).
 """
 
 from __future__ import annotations
@@ -12,9 +14,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
+
+import xxhash
+
+from . import tokenizer
 
 BLOCK_TOKENS = 512
-CHARS_PER_TOKEN = 4
+CHARS_PER_TOKEN = tokenizer.CHARS_PER_TOKEN
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,27 +52,40 @@ def read(path: str, limit: int | None = None) -> list[Row]:
     return rows
 
 
-def _block(h: int) -> tuple[list[int], str]:
-    hi, lo = 2 * h + 1_000_000, 2 * h + 1_000_001  # distinct from any other block's tokens
-    return [hi, lo] * (BLOCK_TOKENS // 2), f"{h:08x}" * (BLOCK_TOKENS * CHARS_PER_TOKEN // 8)
+_PERIOD = 16  # characters; a multiple of CHARS_PER_TOKEN that divides a block's text
+
+
+@lru_cache(maxsize=1 << 16)
+def _encode(pattern: str) -> tuple[int, ...]:
+    assert len(pattern) == _PERIOD, f"pattern {pattern!r} is not {_PERIOD} characters"
+    return tuple(tokenizer.encode(pattern))
+
+
+def _repeat(text: str, tokens: int) -> tuple[list[int], str]:
+    """``tokens`` tokens of a repeated 16-character pattern, as ids and as text."""
+    toks = _encode(text)
+    reps = -(-tokens * CHARS_PER_TOKEN // _PERIOD)
+    return list(toks * reps)[:tokens], (text * reps)[: tokens * CHARS_PER_TOKEN]
 
 
 def tokens_and_text(row: Row) -> tuple[list[int], str]:
-    """The row's prompt as token ids and as routing text (4 characters per token)."""
+    """The row's prompt as token ids and as text; ``tokenizer.encode(text) == tokens``."""
     toks: list[int] = []
     parts: list[str] = []
     for h in row.hash_ids:
         if len(toks) >= row.input_length:
             break
-        t, s = _block(h)
+        t, s = _repeat(f"{xxhash.xxh64_intdigest(str(h).encode()):016x}", BLOCK_TOKENS)
         toks += t
         parts.append(s)
-    text = "".join(parts)
-    if len(toks) < row.input_length:  # unique filler: this row's own tail
-        extra = row.input_length - len(toks)
-        toks += [-(row.index + 1)] * extra
-        text += (f"~{row.index:07x}" * (extra // 2 + 1))[: extra * CHARS_PER_TOKEN]  # "~" is in no block text
-    return toks[: row.input_length], text[: row.input_length * CHARS_PER_TOKEN]
+    if len(toks) < row.input_length:
+        t, s = _repeat(
+            f"~{xxhash.xxh64_intdigest(f'tail{row.index}'.encode()):015x}", row.input_length - len(toks)
+        )
+        toks += t
+        parts.append(s)
+    n = row.input_length
+    return toks[:n], "".join(parts)[: n * CHARS_PER_TOKEN]
 
 
 def ideal_hit_rate(rows: list[Row]) -> float:

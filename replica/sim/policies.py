@@ -1,0 +1,92 @@
+"""The scheduler's three narrow extension points, one ``Protocol`` each, with vLLM's behaviour as
+the default and the replica-side options of the vLLM-plugin issue as alternatives:
+
+- ``Chunker``: how many of a request's remaining tokens fit a step (vLLM: as many as the budget
+  allows; ``PageAligned``: a chunk that does not finish the prefill ends on a block boundary).
+- ``AdmissionOrder``: in which order waiting requests are tried (vLLM: FCFS; ``CacheAware``:
+  longest cached prefix first, except that a request waiting ``aging_s`` or more goes first, so
+  none waits longer than the bound beyond FCFS).
+- ``AdmissionGate``: whether to skip a waiting request this step (vLLM: never; ``Dedupe``: skip
+  one whose next uncached block a running request will compute in a later chunk, so that it
+  is admitted afterwards as a hit instead of computing the same block twice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from .blocks import BlockPool
+from .request import Request
+
+
+class Chunker(Protocol):
+    def chunk(self, req: Request, left: int, budget: int) -> int: ...
+
+
+class AdmissionOrder(Protocol):
+    def order(self, waiting: Sequence[Request], pool: BlockPool, now: float) -> Iterable[Request]: ...
+
+
+class AdmissionGate(Protocol):
+    def begin(self, running: Sequence[Request]) -> None: ...
+    def defer(self, req: Request, pool: BlockPool) -> bool: ...
+    def admitted(self, req: Request) -> None: ...
+
+
+class Greedy:
+    def chunk(self, req: Request, left: int, budget: int) -> int:
+        return min(left, budget)
+
+
+class PageAligned:
+    def chunk(self, req: Request, left: int, budget: int) -> int:
+        if left <= budget:
+            return left
+        bs = req.block_size
+        return (req.num_computed + budget) // bs * bs - req.num_computed  # may be 0: wait a step
+
+
+class Fcfs:
+    def order(self, waiting: Sequence[Request], pool: BlockPool, now: float) -> Iterable[Request]:
+        return waiting
+
+
+class CacheAware:
+    def __init__(self, aging_s: float) -> None:
+        self.aging_s = aging_s
+
+    def order(self, waiting: Sequence[Request], pool: BlockPool, now: float) -> Iterable[Request]:
+        aged = [r for r in waiting if now - r.arrival >= self.aging_s]
+        fresh = [r for r in waiting if now - r.arrival < self.aging_s]
+        fresh.sort(key=lambda r: -pool.probe(r.hashes))  # stable: FCFS among equals
+        return aged + fresh
+
+
+class Never:
+    def begin(self, running: Sequence[Request]) -> None:
+        pass
+
+    def defer(self, req: Request, pool: BlockPool) -> bool:
+        return False
+
+    def admitted(self, req: Request) -> None:
+        pass
+
+
+class Dedupe:
+    """Blocks that running requests have yet to schedule are "pending"; a waiting request whose
+    first uncached block is pending waits until it is cached."""
+
+    def __init__(self) -> None:
+        self.pending: set[int] = set()
+
+    def begin(self, running: Sequence[Request]) -> None:
+        self.pending = {h for r in running if r.in_prefill for h in r.hashes[r.num_cached_blocks :]}
+
+    def defer(self, req: Request, pool: BlockPool) -> bool:
+        k = pool.probe(req.hashes)
+        return k < len(req.hashes) and req.hashes[k] in self.pending
+
+    def admitted(self, req: Request) -> None:
+        self.pending.update(req.hashes[req.num_cached_blocks :])
