@@ -75,6 +75,7 @@ class Fleet:
 
     def reset(self, timeout: float = 60.0) -> None:
         """Empty every replica's prefix cache; retried while requests still hold blocks (409)."""
+        self.children.check()
         deadline = time.monotonic() + timeout
         for url in self.urls:
             while True:
@@ -87,6 +88,7 @@ class Fleet:
 
     def scrape(self) -> list[dict[str, float]]:
         """Per replica: the vLLM counters and cache shape that the report uses."""
+        self.children.check()  # a dead replica is reported with its log tail, not as a refused connection
         out = []
         for url in self.urls:
             _, text = http("GET", url + "/metrics")
