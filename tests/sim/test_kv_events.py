@@ -62,14 +62,15 @@ def test_events_match_the_engine_block_changes(tmp_path: pathlib.Path) -> None:
         events = [e for f in frames for e in msgpack.unpackb(f[2], raw=False)[1]]
         stored = [e for e in events if e["type"] == "BlockStored"]
         removed = [h for e in events if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
-        want = chain_hashes(tokenizer.encode(PROMPT), 16)
-        got = [e["block_hashes"][0] for e in stored][: len(want)]
-        assert got == want, "BlockStored hashes are the engine's chained block hashes, in order"
-        assert [e["parent_block_hash"] for e in stored[: len(want)]] == [None, *want[:-1]]
-        assert stored[0]["token_ids"] == tokenizer.encode(PROMPT)[:16] and stored[0]["block_size"] == 16
-        assert set(removed) <= set(want) and removed, (
-            "6 blocks cannot hold both prompts: the first is evicted"
-        )
+        tokens = tokenizer.encode(PROMPT)
+        want = chain_hashes(tokens, 16)
+        first = stored[0]  # the first request's prompt blocks, cached in its one prefill step
+        assert first["block_hashes"] == want, "one BlockStored per request step, hashes in chain order"
+        assert first["parent_block_hash"] is None and first["token_ids"] == tokens[: 16 * len(want)]
+        assert first["block_size"] == 16 and first["medium"] == "GPU" and first["group_idx"] == 0
+        assert first["extra_keys"] == [None] * len(want) and first["lora_name"] is None
+        assert set(removed) <= set(want) and removed, "5 usable blocks cannot hold both prompts"
+        assert all(set(e) == {"type", "block_hashes", "medium", "group_idx"} for e in events if e["type"] == "BlockRemoved")
         _decode_with_vllm(frames[0][2])
     finally:
         sub.close(linger=0)
