@@ -79,9 +79,8 @@ def tokens_and_text(row: Row) -> tuple[list[int], str]:
         toks += t
         parts.append(s)
     if len(toks) < row.input_length:
-        t, s = _repeat(
-            f"~{xxhash.xxh64_intdigest(f'tail{row.index}'.encode()):015x}", row.input_length - len(toks)
-        )
+        tail = f"~{xxhash.xxh64_intdigest(f'tail{row.index}'.encode()):016x}"[:_PERIOD]
+        t, s = _repeat(tail, row.input_length - len(toks))
         toks += t
         parts.append(s)
     n = row.input_length

@@ -55,7 +55,9 @@ def test_admission_counts_only_uncached_blocks() -> None:
     s.add(req([*prefix, 1]))
     run_to_end(s)
     assert pool.num_free == 9, "finished request released its blocks (they stay cached)"
-    big = req([*prefix, 2, 3, 4, 5, 6], max_tokens=2)  # 33 tokens = 9 blocks: 7 hit (taken off the free queue) + 2 new
+    big = req(
+        [*prefix, 2, 3, 4, 5, 6], max_tokens=2
+    )  # 33 tokens = 9 blocks: 7 hit (taken off the free queue) + 2 new
     s.add(big)
     out = s.schedule()
     assert out == [(big, 5)] and big.num_cached_tokens == 28 and pool.num_free == 0
@@ -172,6 +174,7 @@ def test_cache_aware_admission_raises_hits_within_the_aging_bound() -> None:
 def test_a_shared_prefix_is_computed_once() -> None:
     """vLLM caches blocks when it schedules them, so followers admitted in the same step already
     hit the leader's prefix; the dedupe gate must keep that (and change nothing else here)."""
+
     def run(dedupe: bool) -> Scheduler:
         s = Scheduler(BlockPool(64, BS), SchedulerConfig(max_num_batched_tokens=160, dedupe=dedupe))
         for k in range(4):

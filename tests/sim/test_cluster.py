@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from replica.sim import trace
+from replica.sim import tokenizer, trace
 from replica.sim.cluster import main, simulate
 from replica.sim.costmodel import profile
 
@@ -59,3 +59,20 @@ def test_cost_policy_finds_the_shared_prefixes(tmp_path: pathlib.Path) -> None:
         == 0
     )
     assert json.loads(out.read_text())[0]["requests"] == 32
+
+
+def test_trace_tokens_are_the_tokenizer_encoding_of_the_text(tmp_path: pathlib.Path) -> None:
+    rows = trace.read(
+        write_trace(
+            tmp_path / "t.jsonl",
+            [
+                {"timestamp": 0, "input_length": 1100, "output_length": 3, "hash_ids": [5, 6, 7]},
+                {"timestamp": 1, "input_length": 700, "output_length": 3, "hash_ids": [5]},
+            ],
+        )
+    )
+    for row in rows:
+        toks, text = trace.tokens_and_text(row)
+        assert tokenizer.encode(text) == toks, "HTTP replicas (text) and cluster mode (ids) see one prompt"
+    (a, _), (b, _) = (trace.tokens_and_text(r) for r in rows)
+    assert a[:512] == b[:512] and a[512:700] != b[512:700], "hash id 5 is shared, the tails are not"

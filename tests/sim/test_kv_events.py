@@ -70,7 +70,11 @@ def test_events_match_the_engine_block_changes(tmp_path: pathlib.Path) -> None:
         assert first["block_size"] == 16 and first["medium"] == "GPU" and first["group_idx"] == 0
         assert first["extra_keys"] == [None] * len(want) and first["lora_name"] is None
         assert set(removed) <= set(want) and removed, "5 usable blocks cannot hold both prompts"
-        assert all(set(e) == {"type", "block_hashes", "medium", "group_idx"} for e in events if e["type"] == "BlockRemoved")
+        assert all(
+            set(e) == {"type", "block_hashes", "medium", "group_idx"}
+            for e in events
+            if e["type"] == "BlockRemoved"
+        )
         _decode_with_vllm(frames[0][2])
     finally:
         sub.close(linger=0)
