@@ -8,7 +8,10 @@ the default and the replica-side options of the vLLM-plugin issue as alternative
   none waits longer than the bound beyond FCFS).
 - ``AdmissionGate``: whether to skip a waiting request this step (vLLM: never; ``Dedupe``: skip
   one whose next uncached block a running request will compute in a later chunk, so that it
-  is admitted afterwards as a hit instead of computing the same block twice).
+  is admitted afterwards as a hit instead of computing the same block twice). vLLM caches a
+  block when it schedules it, so under FCFS with greedy chunks a follower already hits what the
+  leader scheduled, and the leader's unscheduled chunks have taken the whole budget: the gate
+  changes admissions only where an order or a chunker leaves budget beside a pending prefill.
 """
 
 from __future__ import annotations
