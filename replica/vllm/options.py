@@ -1,0 +1,62 @@
+"""Options of the prefix-aware scheduler, from ``KVPICK_*`` environment variables or from
+``--additional-config '{"kvpick": {...}}'`` (the latter wins). Every option off means vLLM's
+own behaviour, unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixAwareOptions:
+    """``page_aligned_prefill``: every non-final prefill chunk ends on a block boundary.
+    ``cache_aware_admission``: the waiting queue serves the longest cached prefix first, but a
+    request that has waited ``aging_s`` seconds goes first in FCFS order.
+    ``dedupe_shared_prefixes``: a waiting request whose next uncached block is being computed by
+    a running prefill is deferred (up to ``aging_s``), so it is later admitted as a hit."""
+
+    page_aligned_prefill: bool = False
+    cache_aware_admission: bool = False
+    dedupe_shared_prefixes: bool = False
+    aging_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        assert self.aging_s >= 0, f"aging_s must be >= 0, got {self.aging_s}"
+
+    @property
+    def any_on(self) -> bool:
+        return self.page_aligned_prefill or self.cache_aware_admission or self.dedupe_shared_prefixes
+
+
+def _flag(value: object) -> bool:
+    return value is True or str(value).strip().lower() in _TRUE
+
+
+def load_options(
+    env: Mapping[str, str] | None = None, additional: Mapping[str, object] | None = None
+) -> PrefixAwareOptions:
+    """Read ``KVPICK_PAGE_ALIGNED_PREFILL``, ``KVPICK_CACHE_AWARE_ADMISSION``,
+    ``KVPICK_DEDUPE_SHARED_PREFIXES`` and ``KVPICK_AGING_S``, then the ``kvpick`` entry of
+    vLLM's additional config."""
+    env = os.environ if env is None else env
+    raw: dict[str, object] = {
+        "page_aligned_prefill": env.get("KVPICK_PAGE_ALIGNED_PREFILL", ""),
+        "cache_aware_admission": env.get("KVPICK_CACHE_AWARE_ADMISSION", ""),
+        "dedupe_shared_prefixes": env.get("KVPICK_DEDUPE_SHARED_PREFIXES", ""),
+        "aging_s": env.get("KVPICK_AGING_S", "2.0"),
+    }
+    extra = (additional or {}).get("kvpick", {})
+    if isinstance(extra, Mapping):
+        unknown = set(extra) - set(raw)
+        assert not unknown, f"unknown kvpick options in --additional-config: {sorted(unknown)}"
+        raw.update(extra)
+    return PrefixAwareOptions(
+        page_aligned_prefill=_flag(raw["page_aligned_prefill"]),
+        cache_aware_admission=_flag(raw["cache_aware_admission"]),
+        dedupe_shared_prefixes=_flag(raw["dedupe_shared_prefixes"]),
+        aging_s=float(str(raw["aging_s"])),
+    )
