@@ -15,6 +15,7 @@ def make_scheduler(
     budget: int,
     cls: type[Any] | None = None,
     max_num_seqs: int = 16,
+    long_prefill: int = 0,
     **kwargs: Any,
 ) -> Any:
     import torch
@@ -31,6 +32,7 @@ def make_scheduler(
             max_model_len=2048,
             is_encoder_decoder=False,
             enable_chunked_prefill=True,
+            long_prefill_token_threshold=long_prefill,
         ),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
     )
