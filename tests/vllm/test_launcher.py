@@ -1,0 +1,48 @@
+"""The replica launcher's command line (no vLLM started): our defaults, and the user's flags win."""
+
+from __future__ import annotations
+
+import json
+
+from replica.vllm.launcher import ASYNC_CLS, SYNC_CLS, build_command, effective_config
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_defaults_carry_plugin_prefix_caching_and_kv_events() -> None:
+    argv = build_command("/m", ["--max-model-len", "1024"], "tcp://127.0.0.1:5999", python="py")
+    assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert flag(argv, "--model") == "/m" and flag(argv, "--scheduler-cls") == SYNC_CLS
+    assert "--enable-prefix-caching" in argv and "--enable-prompt-tokens-details" in argv
+    kv = json.loads(flag(argv, "--kv-events-config"))
+    assert kv == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:5999",
+        "topic": "kv",
+    }
+    assert argv[-2:] == ["--max-model-len", "1024"]
+
+
+def test_user_flags_replace_defaults() -> None:
+    argv = build_command(
+        None, ["--model=/x", "--scheduler-cls=a.B", "--kv-events-config", "{}"], async_scheduling=True
+    )
+    assert "--model" not in argv and "--scheduler-cls" not in argv and argv.count("--kv-events-config") == 1
+    assert argv[-4:] == ["--model=/x", "--scheduler-cls=a.B", "--kv-events-config", "{}"]
+    assert flag(build_command("/m", [], async_scheduling=True), "--scheduler-cls") == ASYNC_CLS
+
+
+def test_effective_config_shows_scheduler_options() -> None:
+    cfg = effective_config(
+        ["py"], {"KVPICK_CACHE_AWARE_ADMISSION": "1", "KVPICK_AGING_S": "0.5", "HOME": "/"}
+    )
+    assert cfg["scheduler_options"] == {
+        "page_aligned_prefill": False,
+        "cache_aware_admission": True,
+        "dedupe_shared_prefixes": False,
+        "aging_s": 0.5,
+    }
+    assert cfg["env"] == {"KVPICK_AGING_S": "0.5", "KVPICK_CACHE_AWARE_ADMISSION": "1"}
