@@ -58,9 +58,12 @@ def load_for(w: Workload, rate: float, turns: int, progress: bool) -> tuple[Load
         scale = len(times) / (span * rate) if span > 0 else 1.0
         return LoadConfig("trace", time_scale=scale, progress=progress), f"trace timestamps × {scale:.3f}"
     if w.name == "multi-turn":
-        return LoadConfig(
-            "poisson", rate=rate / turns, progress=progress
-        ), f"sessions start Poisson {rate / turns:.2f}/s"
+        sessions = len(w.requests) // turns
+        how = (
+            f"{sessions} sessions starting Poisson {rate / turns:.2f}/s, each turn sent when the previous "
+            "one ends (so the offered load is bounded by the sessions)"
+        )
+        return LoadConfig("poisson", rate=rate / turns, progress=progress), how
     return LoadConfig("poisson", rate=rate, progress=progress), f"Poisson {rate:.2f} req/s"
 
 
@@ -89,7 +92,7 @@ def prepare(
 
 def execute(
     s: suites.Suite, a: argparse.Namespace, fleet: Fleet, notes: list[str]
-) -> tuple[list[report.WorkloadResult], dict[str, Any] | None, tuple[int, int]]:
+) -> tuple[list[report.WorkloadResult], list[dict[str, Any]], tuple[int, int]]:
     fleet.start()
     shape = fleet.cache_shape()
     prepared: list[tuple[report.WorkloadResult, runner.Job]] = []
@@ -101,15 +104,15 @@ def execute(
             continue
         prepared.append(prepare(s, fleet, suites.build(s, name, trace), shape, a))
     jobs = [j for _, j in prepared]
-    over = None
+    over: list[runner.Job] = []
     if not a.no_overhead:
         paths = [p for p in ("cost", "vllm-router", "sglang-router") if p in s.routers]
-        over = runner.overhead_job(*s.overhead, fleet.cfg.model, paths, not a.no_progress)
-        jobs.append(over)
+        over = [runner.overhead_job(*o, fleet.cfg.model, paths, not a.no_progress) for o in s.overhead]
+        jobs += over
     runner.side_by_side(fleet, ["direct", *s.routers], jobs, pathlib.Path(a.run_dir), a.picker_config)
     for res, job in prepared:
         res.runs = job.runs
-    return [r for r, _ in prepared], (runner.overhead_table(over) if over else None), shape
+    return [r for r, _ in prepared], [runner.overhead_table(j) for j in over], shape
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "suite": s.name,
         "replicas": f"{s.replicas} × `python -m replica.sim --profile {s.profile} --time-scale {s.time_scale:g}`",
         "cache": f"block size {shape[0]} tokens, {shape[1]} blocks over all replicas",
+        "latencies": "seconds of wall time on this machine, one run per router (expect run-to-run noise)",
         "wall time": f"{time.monotonic() - t0:.0f} s",
         "command": f"python -m bench {' '.join(argv if argv is not None else sys.argv[1:])}".strip(),
         **({"notes": "; ".join(notes)} if notes else {}),

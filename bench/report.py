@@ -48,7 +48,7 @@ def write_json(path: pathlib.Path, doc: dict[str, Any]) -> None:
     path.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
 
 
-def markdown(results: list[WorkloadResult], overhead: dict[str, Any] | None, meta: dict[str, Any]) -> str:
+def markdown(results: list[WorkloadResult], overhead: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# kvpick benchmark — suite `{meta['suite']}`", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items() if k != "suite"]
     for w in results:
@@ -71,16 +71,21 @@ def markdown(results: list[WorkloadResult], overhead: dict[str, Any] | None, met
                 f"{s.ttft_p90:.3f} | {s.ttft_p99:.3f} | {s.itl_p50 * 1e3:.1f} | {s.throughput_rps:.2f} | {s.errors} |"
             )
     if overhead:
-        lines += ["", "## Router overhead", "", overhead["describe"], ""]
         lines += [
-            "| path | TTFT p50 (ms) | p99 | added p50 (ms) | added p99 | errors |",
-            "|---|---|---|---|---|---|",
+            "",
+            "## Router overhead",
+            "",
+            "TTFT at the client; added = path minus direct (client round-robin).",
+            "",
         ]
-        for name, d in overhead["paths"].items():
-            lines.append(
-                f"| {name} | {d['ttft_p50'] * 1e3:.2f} | {d['ttft_p99'] * 1e3:.2f} | "
-                f"{d['added_p50'] * 1e3:.2f} | {d['added_p99'] * 1e3:.2f} | {d['errors']} |"
-            )
+        lines += ["| load | path | TTFT p50 (ms) | p99 | added p50 (ms) | added p99 | errors |"]
+        lines += ["|---|---|---|---|---|---|---|"]
+        for table in overhead:
+            for name, d in table["paths"].items():
+                lines.append(
+                    f"| {table['describe']} | {name} | {d['ttft_p50'] * 1e3:.2f} | {d['ttft_p99'] * 1e3:.2f} | "
+                    f"{d['added_p50'] * 1e3:.2f} | {d['added_p99'] * 1e3:.2f} | {d['errors']} |"
+                )
     return "\n".join(lines) + "\n"
 
 

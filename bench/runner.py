@@ -98,9 +98,12 @@ def calibrate(
     return run.summary.throughput_rps
 
 
-def overhead_job(n: int, rate: float, model: str, paths: Sequence[str], progress: bool = True) -> Job:
-    """256 prompt tokens → 8 output tokens at Poisson ``rate``, for ``direct`` and ``paths``."""
-    w = no_sharing(n, 256, 8, seed=7, name="overhead")
+def overhead_job(
+    n: int, rate: float, output_tokens: int, model: str, paths: Sequence[str], progress: bool = True
+) -> Job:
+    """256 prompt tokens → ``output_tokens`` streamed, at Poisson ``rate``, for ``direct`` and ``paths``.
+    Every streamed chunk crosses the router, so long outputs measure the router under streaming load."""
+    w = no_sharing(n, 256, output_tokens, seed=7, name=f"overhead-{output_tokens}")
     cfg = loadgen.LoadConfig(mode="poisson", rate=rate, model=model, progress=progress)
     return Job(w, cfg, frozenset(["direct", *paths]))
 
@@ -117,8 +120,6 @@ def overhead_table(job: Job) -> dict[str, object]:
             "added_p99": s.ttft_p99 - base.ttft_p99,
             "errors": s.errors,
         }
-    n, rate = len(job.workload.requests), job.load.rate
-    describe = (
-        f"{n} requests of 256 prompt tokens → 8 output tokens, Poisson {rate:g} req/s, TTFT at the client"
-    )
+    n, rate, out = len(job.workload.requests), job.load.rate, job.workload.requests[0].max_tokens
+    describe = f"{n} requests, 256 prompt → {out} output tokens (streamed), Poisson {rate:g} req/s"
     return {"describe": describe, "paths": paths}

@@ -36,8 +36,8 @@ class Suite:
     multi_turn: tuple[int, int] = (64, 8)
     """sessions, turns."""
     trace_rows: int = 1000
-    overhead: tuple[int, float] = (600, 20.0)
-    """requests, Poisson rate."""
+    overhead: tuple[tuple[int, float, int], ...] = ((600, 20.0, 8), (400, 12.0, 128))
+    """Router-overhead loads: (requests, Poisson rate, output tokens)."""
     workloads: tuple[str, ...] = field(
         default=("generated-shared-prefix", "no-sharing", "multi-turn", "mooncake")
     )
@@ -49,8 +49,8 @@ SUITES = {
         gsp=(16, 16, 2048, 128, 128),
         no_sharing=(160, 2176, 128),
         multi_turn=(32, 4),
-        trace_rows=80,
-        overhead=(200, 20.0),
+        trace_rows=64,
+        overhead=((150, 20.0, 8), (100, 12.0, 128)),
         calib_max=96,
     ),
     "full": Suite("full"),
@@ -62,7 +62,7 @@ SUITES = {
         routers=("cost", "round-robin"),
         gsp=(4, 4, 256, 32, 8),
         workloads=("generated-shared-prefix",),
-        overhead=(40, 20.0),
+        overhead=((40, 20.0, 8),),
     ),
 }
 
