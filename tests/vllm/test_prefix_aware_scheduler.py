@@ -113,3 +113,19 @@ def test_page_aligned_prefill_chunks_are_whole_blocks(tiny_model_dir: pathlib.Pa
         results[name] = misaligned_prefill_chunks(run_stream(sched, stream), stream, cached)
     assert results["vllm"], "the stream must make vLLM cut some chunk mid-block, or the test proves nothing"
     assert results["ours"] == [], f"non-final chunks not page aligned: {results['ours'][:5]}"
+
+
+def test_async_variant_applies_the_same_hooks(tiny_model_dir: pathlib.Path) -> None:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from replica.vllm.options import PrefixAwareOptions
+    from replica.vllm.queue import CacheAwareQueue
+    from replica.vllm.scheduler import PrefixAwareAsyncScheduler
+
+    opts = PrefixAwareOptions(page_aligned_prefill=True, cache_aware_admission=True)
+    sched = make_scheduler(tiny_model_dir, 200, 100, cls=PrefixAwareAsyncScheduler, options=opts)
+    assert isinstance(sched, AsyncScheduler) and isinstance(sched.waiting, CacheAwareQueue)
+    sched.add_request(make_request("a", list(range(10, 310))))
+    first = sched.schedule()
+    assert first.num_scheduled_tokens == {"a": 96}, "a 100-token budget gives a 6-block chunk"
+    assert sched.schedule().num_scheduled_tokens == {"a": 96}, "async: the next chunk before any output"
