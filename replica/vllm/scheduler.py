@@ -71,8 +71,13 @@ class PrefixAwareScheduler(Scheduler):
             num_new_tokens,
             request.num_tokens,
             self.block_size,
-            self.max_num_scheduled_tokens,
+            self._max_chunk(),
         )
+
+    def _max_chunk(self) -> int:
+        """The largest chunk any step can give one request (budget, then long-prefill cap)."""
+        cap = self.scheduler_config.long_prefill_token_threshold
+        return min(self.max_num_scheduled_tokens, cap) if cap > 0 else self.max_num_scheduled_tokens
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         ready = super()._handle_blocked_waiting_request(request)

@@ -129,3 +129,12 @@ def test_async_variant_applies_the_same_hooks(tiny_model_dir: pathlib.Path) -> N
     first = sched.schedule()
     assert first.num_scheduled_tokens == {"a": 96}, "a 100-token budget gives a 6-block chunk"
     assert sched.schedule().num_scheduled_tokens == {"a": 96}, "async: the next chunk before any output"
+
+
+def test_page_alignment_never_stalls_when_a_block_exceeds_the_chunk_cap() -> None:
+    from replica.vllm.scheduler import page_aligned
+
+    assert page_aligned(0, 100, 300, 16, 512) == 96
+    assert page_aligned(96, 10, 300, 16, 512) == 0, "no boundary fits: wait for a bigger budget"
+    assert page_aligned(290, 10, 300, 16, 512) == 10, "the final chunk is never trimmed"
+    assert page_aligned(0, 8, 300, 16, 8) == 8, "a cap below one block: alignment would stall forever"
