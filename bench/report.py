@@ -16,6 +16,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import NullFormatter
 
 from .runner import RouterRun
 
@@ -103,6 +104,7 @@ def _ttft_cdf(results: list[WorkloadResult], path: pathlib.Path) -> pathlib.Path
             if n:
                 ax.plot(r.ttfts, [(i + 1) / n for i in range(n)], label=r.router)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap on short log ranges
         ax.set_title(w.name, fontsize=10)
         ax.set_xlabel("TTFT (s)")
         ax.grid(alpha=0.3)
