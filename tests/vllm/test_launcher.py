@@ -46,3 +46,15 @@ def test_effective_config_shows_scheduler_options() -> None:
         "aging_s": 0.5,
     }
     assert cfg["env"] == {"KVPICK_AGING_S": "0.5", "KVPICK_CACHE_AWARE_ADMISSION": "1"}
+
+
+def test_additional_config_overrides_the_environment() -> None:
+    import pytest
+
+    from replica.vllm.options import load_options
+
+    env = {"KVPICK_PAGE_ALIGNED_PREFILL": "1", "KVPICK_AGING_S": "3"}
+    opts = load_options(env, {"kvpick": {"page_aligned_prefill": False, "dedupe_shared_prefixes": True}})
+    assert (opts.page_aligned_prefill, opts.dedupe_shared_prefixes, opts.aging_s) == (False, True, 3.0)
+    with pytest.raises(AssertionError, match="unknown kvpick options"):
+        load_options({}, {"kvpick": {"page_aligned": True}})

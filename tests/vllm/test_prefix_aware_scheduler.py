@@ -138,3 +138,15 @@ def test_page_alignment_never_stalls_when_a_block_exceeds_the_chunk_cap() -> Non
     assert page_aligned(96, 10, 300, 16, 512) == 0, "no boundary fits: wait for a bigger budget"
     assert page_aligned(290, 10, 300, 16, 512) == 10, "the final chunk is never trimmed"
     assert page_aligned(0, 8, 300, 16, 8) == 8, "a cap below one block: alignment would stall forever"
+
+
+def test_options_reach_the_scheduler_from_the_environment(
+    tiny_model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from replica.vllm.queue import CacheAwareQueue
+    from replica.vllm.scheduler import PrefixAwareScheduler
+
+    monkeypatch.setenv("KVPICK_CACHE_AWARE_ADMISSION", "1")
+    monkeypatch.setenv("KVPICK_AGING_S", "0.5")
+    sched = make_scheduler(tiny_model_dir, 60, 100, cls=PrefixAwareScheduler)
+    assert isinstance(sched.waiting, CacheAwareQueue) and sched.waiting.aging_s == 0.5
