@@ -22,6 +22,7 @@ import yaml
 
 from picker import config as picker_config
 from picker.__main__ import build_parser
+from replica.sim.__main__ import parser as sim_parser
 
 pytestmark = pytest.mark.chart
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -245,9 +246,14 @@ def test_simulator_replicas() -> None:
     dep = one(docs, "Deployment", f"{RELEASE}-sim")
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["command"] == ["python", "-m", "replica.sim"] and c["args"] == [
+        "--host=0.0.0.0",
         "--port=8000",
         "--kv-blocks=2048",
     ]
+    args = sim_parser().parse_args(c["args"])  # the simulator accepts every rendered flag
+    # The simulator binds 127.0.0.1 unless told otherwise; the kubelet's probe and the gateway
+    # reach the pod on its IP.
+    assert args.host == "0.0.0.0" and args.port == c["ports"][0]["containerPort"]
     assert one(docs, "InferencePool")["spec"]["selector"]["matchLabels"].items() <= (
         dep["spec"]["template"]["metadata"]["labels"].items()
     )
