@@ -95,15 +95,21 @@ def failover(url: str, model: str, namespace: str, host: str, deadline_s: float)
     print(f"failover: recovered in {time.monotonic() - start:.1f}s with {failures} failed requests")
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", required=True)
     p.add_argument("--namespace", required=True)
-    p.add_argument("--model", default="sim-model")
+    p.add_argument(
+        "--model", required=True, help="the served model: the chart's `model` value (e2e.sh passes both)"
+    )
     p.add_argument("--groups", type=int, default=6)
     p.add_argument("--per-group", type=int, default=4)
     p.add_argument("--failover-deadline", type=float, default=60.0)
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     owner = affinity(args.url, args.model, args.groups, args.per_group)
     failover(args.url, args.model, args.namespace, owner[0], args.failover_deadline)
     print("PASS: prefix affinity and failover")

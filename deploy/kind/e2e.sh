@@ -7,7 +7,8 @@
 #      pod is deleted (deploy/kind/check.py)
 #   5. tear down (KEEP=1 keeps the cluster)
 # Without docker, kind, helm or kubectl it prints "SKIPPED: ..." and exits 0.
-# Environment: CLUSTER (kvpick-e2e), NAMESPACE (kvpick), GIE_VERSION (v1.0.1), ENVOY_IMAGE, KEEP.
+# Environment: CLUSTER (kvpick-e2e), NAMESPACE (kvpick), GIE_VERSION (v1.0.1), ENVOY_IMAGE, KEEP,
+# MODEL (the served model name: set as the chart's `model` and sent by check.py).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -19,6 +20,7 @@ ENVOY_IMAGE=${ENVOY_IMAGE:-envoyproxy/envoy:v1.36-latest}
 REGISTRY=kvpick.local
 TAG=e2e
 LOCAL_PORT=${LOCAL_PORT:-18080}
+MODEL=${MODEL:-meta-llama/Llama-3.1-8B-Instruct}
 PYTHON=${PYTHON:-python3}
 
 for bin in docker kind helm kubectl; do
@@ -58,6 +60,7 @@ kubectl create namespace "$NAMESPACE" --dry-run=client -o yaml | kubectl apply -
 
 echo "=== 3. helm install with simulator replicas"
 helm upgrade --install "$RELEASE" charts/kvpick -n "$NAMESPACE" --wait --timeout 5m \
+  --set-string model="$MODEL" \
   --set picker.image.repository=$REGISTRY/picker --set picker.image.tag=$TAG --set picker.image.pullPolicy=Never \
   --set simulator.enabled=true --set simulator.replicas=3 \
   --set simulator.image.repository=$REGISTRY/sim --set simulator.image.tag=$TAG --set simulator.image.pullPolicy=Never \
@@ -74,6 +77,6 @@ for _ in $(seq 60); do
   curl -s -o /dev/null "http://127.0.0.1:$LOCAL_PORT/" && break
   sleep 1
 done
-"$PYTHON" deploy/kind/check.py --url "http://127.0.0.1:$LOCAL_PORT" --namespace "$NAMESPACE"
+"$PYTHON" deploy/kind/check.py --url "http://127.0.0.1:$LOCAL_PORT" --namespace "$NAMESPACE" --model "$MODEL"
 
 echo "=== 5. done"

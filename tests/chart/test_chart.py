@@ -43,12 +43,8 @@ ROUTE = {"enabled": True}
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "gpu": {
-        "vllm": {
-            "enabled": True,
-            "replicas": 4,
-            "model": "meta-llama/Llama-3.1-8B-Instruct",
-            "hfTokenSecret": "hf",
-        },
+        "model": "meta-llama/Llama-3.1-8B-Instruct",
+        "vllm": {"enabled": True, "replicas": 4, "hfTokenSecret": "hf"},
         "simulator": {"enabled": False},
     },
     "simulator": {"simulator": {"enabled": True, "replicas": 3, "args": ["--kv-blocks=2048"]}},
@@ -248,6 +244,7 @@ def test_simulator_replicas() -> None:
     assert c["command"] == ["python", "-m", "replica.sim"] and c["args"] == [
         "--host=0.0.0.0",
         "--port=8000",
+        "--model=Qwen/Qwen2.5-7B-Instruct",
         "--kv-blocks=2048",
     ]
     args = sim_parser().parse_args(c["args"])  # the simulator accepts every rendered flag
@@ -261,6 +258,25 @@ def test_simulator_replicas() -> None:
     assert "/v1/completions" not in notes(VALUE_SETS["simulator"]), (
         "NOTES promise a gateway the chart did not make"
     )
+
+
+def test_one_model_for_every_replica_and_the_notes() -> None:
+    """The top-level `model` is what vLLM loads, what the simulator answers to, and what NOTES.txt's
+    example request sends: a client following the NOTES never gets a 404 for an unknown model."""
+    model = "Qwen/Qwen3-8B"
+    values = {
+        "model": model,
+        "vllm": {"enabled": True},
+        "simulator": {"enabled": True},
+        **{k: VALUE_SETS["envoy-gateway"][k] for k in ("gateway", "httpRoute")},
+    }
+    docs = render(values)
+    vllm = one(docs, "Deployment", f"{RELEASE}-vllm")["spec"]["template"]["spec"]["containers"][0]
+    assert [a for a in vllm["args"] if a.startswith("--model")] == [f"--model={model}"]
+    sim = one(docs, "Deployment", f"{RELEASE}-sim")["spec"]["template"]["spec"]["containers"][0]
+    assert sim_parser().parse_args(sim["args"]).model == model
+    body = next(line for line in notes(values).splitlines() if line.strip().startswith("-d '"))
+    assert json.loads(body.strip().removeprefix("-d '").removesuffix("'"))["model"] == model
 
 
 @pytest.mark.parametrize("provider", ["envoy-gateway", "kgateway", "istio", "gke"])
@@ -316,6 +332,9 @@ BAD_VALUES = [
     ({"vllm": {"args": ["enable-prefix-caching"]}}, "/vllm/args/0", "pattern"),
     ({"httpRoute": {"requestTimeout": "five minutes"}}, "/httpRoute/requestTimeout", "pattern"),
     ({"picker": {"imageTag": "x"}}, "/picker", "imageTag"),
+    ({"vllm": {"model": "x"}}, "/vllm", "additional properties 'model' not allowed"),
+    ({"model": ""}, "/model", "minLength"),
+    ({"model": "my model"}, "/model", "pattern"),
     ({"replicas": 3}, "", "additional properties 'replicas' not allowed"),
 ]
 

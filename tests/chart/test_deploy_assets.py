@@ -1,26 +1,38 @@
 """deploy/kind and deploy/docker assets that can be checked without Docker or a cluster: the
 kind gateway's Envoy config (validated by the real Envoy binary), its manifests
-(kubernetes-validate), and the scripts' clean SKIPPED exit where their tools are missing."""
+(kubernetes-validate), the scripts' clean SKIPPED exit where their tools are missing, and e2e.sh's
+command lines (run against stub tools)."""
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import json
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
+from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENVOY = pathlib.Path(sys.executable).parent / "envoy"
 sys.path.insert(0, str(ROOT / "deploy" / "kind"))
 import envoy_manifest  # noqa: E402
 
+from replica.sim.__main__ import parser as sim_parser  # noqa: E402
+from tests.chart.test_chart import RELEASE, one, render  # noqa: E402
+
 pytestmark = pytest.mark.chart
 PICKER = "kvpick-picker.kvpick.svc.cluster.local:9002"
+_spec = importlib.util.spec_from_file_location("kind_check", ROOT / "deploy" / "kind" / "check.py")
+assert _spec and _spec.loader
+kind_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kind_check)
 
 
 @pytest.mark.envoy
@@ -61,3 +73,59 @@ def test_scripts_skip_cleanly_without_their_tools(script: str, tmp_path: pathlib
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("SKIPPED: "), proc.stdout + proc.stderr
     assert os.access(ROOT / script, os.X_OK), f"{script} is not executable"
+
+
+STUB = """#!{python}
+import json, os, sys
+with open(os.environ["STUB_LOG"], "a") as log:
+    log.write(json.dumps([os.path.basename(sys.argv[0]), *sys.argv[1:]]) + "\\n")
+"""
+
+
+def _set_values(argv: list[str]) -> dict[str, Any]:
+    """The values a `helm upgrade --install` command line sets with --set and --set-string."""
+    values: dict[str, Any] = {}
+    for flag, arg in itertools.pairwise(argv):
+        if flag not in ("--set", "--set-string"):
+            continue
+        for item in arg.split(","):
+            key, _, raw = item.partition("=")
+            node = values
+            *parents, leaf = key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = raw if flag == "--set-string" else yaml.safe_load(raw)
+    return values
+
+
+def test_kind_e2e_sends_the_model_the_chart_serves(tmp_path: pathlib.Path) -> None:
+    """e2e.sh run against stub docker/kind/helm/kubectl/curl/python: the model check.py sends is
+    the model the chart, installed with e2e.sh's --set values, gives the simulator replicas."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("bash", "dirname", "cat", "seq", "grep", "printf", "sleep"):
+        found = shutil.which(tool)
+        if found:
+            (bindir / tool).symlink_to(found)
+    for tool in ("docker", "kind", "helm", "kubectl", "curl", "python3"):
+        (bindir / tool).write_text(STUB.format(python=sys.executable))
+        (bindir / tool).chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    env = {"PATH": str(bindir), "HOME": str(tmp_path), "STUB_LOG": str(log)}
+    proc = subprocess.run(
+        [str(bindir / "bash"), "deploy/kind/e2e.sh"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    helm = next(c for c in calls if c[:3] == ["helm", "upgrade", "--install"])
+    check = next(c for c in calls if c[:2] == ["python3", "deploy/kind/check.py"])
+    sent = kind_check.build_parser().parse_args(check[2:]).model
+
+    docs = render(_set_values(helm))  # the chart's schema validates e2e.sh's values too
+    sim = one(docs, "Deployment", f"{RELEASE}-sim")["spec"]["template"]["spec"]["containers"][0]
+    assert sim_parser().parse_args(sim["args"]).model == sent
