@@ -23,6 +23,7 @@ import yaml
 from picker import config as picker_config
 from picker.__main__ import build_parser
 from replica.sim.__main__ import parser as sim_parser
+from replica.vllm import launcher
 
 pytestmark = pytest.mark.chart
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -219,7 +220,10 @@ def test_gpu_replicas() -> None:
     assert dep["spec"]["replicas"] == 4
     assert c["command"] == ["python3", "-m", "replica.vllm", "serve"]
     assert "--model=meta-llama/Llama-3.1-8B-Instruct" in c["args"]
-    assert "--scheduler-cls=replica.vllm.scheduler.PrefixAwareScheduler" in c["args"]
+    # vLLM schedules asynchronously on GPU by default; a sync Scheduler subclass loses that.
+    assert f"--scheduler-cls={launcher.ASYNC_CLS}" in c["args"]
+    cmd = launcher.build_command(None, c["args"], async_scheduling=False)  # the launcher keeps it
+    assert [a for a in cmd if a.startswith("--scheduler-cls")] == [f"--scheduler-cls={launcher.ASYNC_CLS}"]
     assert "--enable-prefix-caching" in c["args"]
     kv = json.loads(
         next(a for a in c["args"] if a.startswith("--kv-events-config=")).removeprefix("--kv-events-config=")
