@@ -8,17 +8,26 @@ Events: request arrivals (the trace's timestamps × ``--time-scale``), engine st
 (step time from the roofline cost model), and a metrics "scrape" every 200 ms of simulated time
 that copies each engine's queue and KV usage into the picker's endpoint state, as the real
 scraper does. No sleeps: a simulated hour runs in seconds.
+
+Next to the measured hit rate it reports the two ceilings of DESIGN §6, on the same token blocks
+the engines cache (``replica.sim.ceilings``, over the requests sent, in send order): the infinite
+single cache (``ideal_hit_rate``) and one LRU cache holding all replicas' KV blocks together
+(``lru_hit_rate``, capacity ``lru_capacity_blocks``). Ties between equal endpoints are broken by
+a seeded random picker (``--seed``), so a run is reproducible.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import itertools
 import json
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from picker.config import RouterConfig
 from picker.endpoints.pool import Pool
@@ -27,7 +36,7 @@ from picker.errors import PickerError
 from picker.request import InferenceRequest
 from picker.router import Router, Ticket
 
-from . import trace
+from . import ceilings, trace
 from .costmodel import Profile, profile
 from .engine import EngineConfig, EngineCore, Step
 from .request import Request
@@ -50,6 +59,8 @@ class Result:
     errors: int
     hit_rate: float
     ideal_hit_rate: float
+    lru_hit_rate: float
+    lru_capacity_blocks: int
     ttft_p50: float
     ttft_p90: float
     ttft_p99: float
@@ -67,12 +78,16 @@ class Cluster:
         block_size: int = 16,
         sched: SchedulerConfig | None = None,
         model: str = "meta-llama/Llama-3.1-8B-Instruct",
+        seed: int | None = 0,
     ) -> None:
         self.now = 0.0
         self.model, self.prof = model, prof
         self.pool = Pool()
         self.pool.set_endpoints(Endpoint(f"10.0.{i // 250}.{i % 250 + 1}", 8000) for i in range(n))
-        self.router = Router(RouterConfig(policy=policy), self.pool, clock=lambda: self.now)
+        cfg_r = RouterConfig(policy=policy)
+        if seed is not None:
+            cfg_r = dataclasses.replace(cfg_r, profiles=seeded_profiles(cfg_r.profiles, seed))
+        self.router = Router(cfg_r, self.pool, clock=lambda: self.now)
         cfg = EngineConfig(block_size, scheduler=sched or SchedulerConfig())
         self.replicas = {s.key: Replica(s.key, EngineCore(prof, cfg)) for s in self.pool}
         self._events: list[tuple[float, int, str, object]] = []
@@ -80,6 +95,8 @@ class Cluster:
         self.ttfts: list[float] = []
         self.errors = 0
         self.done = 0
+        self.sent: list[tuple[int, list[int]]] = []
+        """(prompt tokens, prompt block hashes) of each request sent, for the ceilings."""
 
     def _push(self, t: float, kind: str, payload: object) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
@@ -108,6 +125,7 @@ class Cluster:
             return
         ticket = self.router.start(decision)
         req = Request(toks, row.output_length, rep.core.pool.block_size, arrival=self.now)
+        self.sent.append((len(toks), req.hashes.copy()))
         rep.tickets[req.request_id] = (ticket, self.now)
         rep.core.sched.add(req)
         self._kick(rep)
@@ -156,9 +174,32 @@ class Cluster:
                 if len(self._events) > 0:
                     self._push(self.now + scrape_s, "scrape", None)
 
+    @property
+    def block_size(self) -> int:
+        return next(iter(self.replicas.values())).core.pool.block_size
+
+    @property
+    def capacity_blocks(self) -> int:
+        """All replicas' KV blocks together: the single LRU cache a router can at best emulate."""
+        return sum(r.core.pool.num_blocks for r in self.replicas.values())
+
     def hit_rate(self) -> float:
         q = sum(r.core.sched.queries for r in self.replicas.values())
         return sum(r.core.sched.hits for r in self.replicas.values()) / q if q else 0.0
+
+
+def seeded_profiles(profiles: Mapping[str, Mapping[str, Any]], seed: int) -> dict[str, Mapping[str, Any]]:
+    """The policies with a fixed seed for every picker that draws random numbers (tie-breaking)."""
+    out: dict[str, Mapping[str, Any]] = {}
+    for name, spec in profiles.items():
+        pk = dict(spec.get("picker", {"type": "max-score"}))
+        if pk["type"] in _RANDOM_PICKERS:
+            pk["params"] = {"seed": seed, **(pk.get("params") or {})}
+        out[name] = {**spec, "picker": pk}
+    return out
+
+
+_RANDOM_PICKERS = frozenset({"max-score", "random"})
 
 
 def simulate(
@@ -168,9 +209,10 @@ def simulate(
     prof: Profile,
     time_scale: float = 1.0,
     sched: SchedulerConfig | None = None,
+    seed: int | None = 0,
 ) -> Result:
     t0 = time.perf_counter()
-    c = Cluster(n, policy, prof, sched=sched)
+    c = Cluster(n, policy, prof, sched=sched, seed=seed)
     c.run(rows, time_scale)
     q = statistics.quantiles(c.ttfts, n=100) if len(c.ttfts) >= 2 else [0.0] * 99
     return Result(
@@ -179,7 +221,9 @@ def simulate(
         len(rows),
         c.errors,
         c.hit_rate(),
-        trace.ideal_hit_rate(rows),
+        ceilings.ideal_hit_rate(c.sent, c.block_size),
+        ceilings.lru_hit_rate(c.sent, c.block_size, c.capacity_blocks),
+        c.capacity_blocks,
         q[49],
         q[89],
         q[98],
@@ -204,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-aligned-prefill", action="store_true")
     p.add_argument("--cache-aware-admission", action="store_true")
     p.add_argument("--dedupe-shared-prefixes", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of the pickers' random tie-breaking")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     rows = trace.read(a.trace, a.limit)
@@ -213,16 +258,25 @@ def main(argv: list[str] | None = None) -> int:
         dedupe=a.dedupe_shared_prefixes,
     )
     results = [
-        simulate(rows, a.replicas, pol, profile(a.profile), a.time_scale, sched)
+        simulate(rows, a.replicas, pol, profile(a.profile), a.time_scale, sched, a.seed)
         for pol in a.policy.split(",")
     ]
     print(
-        f"{'policy':<14}{'hit rate':>9}{'ideal':>7}{'TTFT p50':>10}{'p90':>9}{'p99':>9}{'req/s':>8}{'errors':>7}{'wall s':>8}"
+        f"{'policy':<14}{'hit rate':>9}{'ideal':>7}{'LRU':>7}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
+        f"{'req/s':>8}{'errors':>7}{'wall s':>8}"
     )
     for r in results:
         print(
-            f"{r.policy:<14}{r.hit_rate:>9.3f}{r.ideal_hit_rate:>7.3f}{r.ttft_p50:>10.3f}{r.ttft_p90:>9.3f}"
-            f"{r.ttft_p99:>9.3f}{r.throughput_rps:>8.2f}{r.errors:>7}{r.wall_seconds:>8.1f}"
+            f"{r.policy:<14}{r.hit_rate:>9.3f}{r.ideal_hit_rate:>7.3f}{r.lru_hit_rate:>7.3f}"
+            f"{r.ttft_p50:>10.3f}{r.ttft_p90:>9.3f}{r.ttft_p99:>9.3f}{r.throughput_rps:>8.2f}"
+            f"{r.errors:>7}{r.wall_seconds:>8.1f}"
+        )
+    if results:
+        r = results[0]
+        print(
+            f"ideal: one infinite cache; LRU: one LRU cache of {r.lru_capacity_blocks:,} blocks "
+            f"of {r.lru_capacity_blocks // max(1, r.replicas):,} per replica × {r.replicas} "
+            "(block size in tokens as the engines')"
         )
     if a.json:
         with open(a.json, "w", encoding="utf-8") as fh:

@@ -6,7 +6,7 @@ import json
 import pathlib
 
 from replica.sim import tokenizer, trace
-from replica.sim.cluster import main, simulate
+from replica.sim.cluster import Cluster, main, simulate
 from replica.sim.costmodel import profile
 
 
@@ -76,3 +76,47 @@ def test_trace_tokens_are_the_tokenizer_encoding_of_the_text(tmp_path: pathlib.P
         assert tokenizer.encode(text) == toks, "HTTP replicas (text) and cluster mode (ids) see one prompt"
     (a, _), (b, _) = (trace.tokens_and_text(r) for r in rows)
     assert a[:512] == b[:512] and a[512:700] != b[512:700], "hash id 5 is shared, the tails are not"
+
+
+def test_cluster_reports_the_single_lru_ceiling_of_all_replicas_kv(tmp_path: pathlib.Path) -> None:
+    """80 distinct 2,048-token prompts, then the same 80 again: 10,240 blocks of 16 tokens, more
+    than two ``cpu-test`` replicas hold (2 × 4,096), so one LRU of that size keeps none of the
+    first pass by the time it comes back, while an infinite cache hits every second-pass prompt
+    but its last block (the last token is always computed)."""
+    raw = [
+        {
+            "timestamp": 50 * k,
+            "input_length": 2048,
+            "output_length": 1,
+            "hash_ids": [4 * g + i for i in range(4)],
+        }
+        for k, g in enumerate([*range(80), *range(80)])
+    ]
+    rows = trace.read(write_trace(tmp_path / "t.jsonl", raw))
+    res = simulate(rows, 2, "cost", profile("cpu-test"))
+    assert res.errors == 0 and res.requests == 160
+    assert res.lru_capacity_blocks == 2 * 4096
+    assert res.ideal_hit_rate == (80 * 127 * 16) / (160 * 2048)
+    assert res.lru_hit_rate == 0.0
+    assert res.hit_rate == 0.0, "the engines' LRU caches forget as the single LRU does"
+
+
+def test_cluster_runs_are_reproducible_with_a_seed(tmp_path: pathlib.Path) -> None:
+    """Cold prompts on idle replicas score equal: the picker breaks the tie at random, from a
+    seeded generator, so the same seed sends every request to the same replica."""
+    raw = [
+        {"timestamp": 30 * k, "input_length": 600 + 7 * k, "output_length": 3, "hash_ids": [k % 5, 100 + k]}
+        for k in range(40)
+    ]
+    rows = trace.read(write_trace(tmp_path / "t.jsonl", raw))
+
+    def placement(seed: int) -> list[int]:
+        c = Cluster(8, "cost", profile("h100-llama-3.1-8b"), seed=seed)
+        c.run(rows)
+        return [r.core.sched.queries for r in c.replicas.values()]
+
+    assert placement(7) == placement(7)
+    assert len({tuple(placement(s)) for s in range(6)}) > 1, "the seed does pick among the ties"
+    a, b = (simulate(rows, 8, "cost", profile("h100-llama-3.1-8b"), seed=7) for _ in range(2))
+    assert {**a.__dict__, "wall_seconds": 0} == {**b.__dict__, "wall_seconds": 0}
+    assert 0 < a.hit_rate <= a.lru_hit_rate <= a.ideal_hit_rate

@@ -1,0 +1,61 @@
+"""Hit-rate ceilings of a request sequence, on the token blocks the replicas actually cache.
+
+Pure functions, shared by the cluster mode (``replica.sim.cluster``) and the benchmarks
+(``bench.ideal``). Input: one ``(prompt tokens, chained block hashes)`` pair per request, in send
+order. A request's hit is its leading full blocks already cached, at most
+``(len - 1) // block_size`` of them (the last prompt token is always computed, as in vLLM and the
+simulator); hit rate = Σ hit tokens / Σ prompt tokens, the same ratio as
+Σ ``usage.prompt_tokens_details.cached_tokens`` / Σ ``usage.prompt_tokens`` and as
+``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``.
+
+- ``ideal_hit_rate``: one cache of infinite size (every block ever seen stays).
+- ``lru_hit_rate``: one LRU cache of ``capacity_blocks`` blocks, the ceiling for a router over
+  replicas whose caches hold that many blocks together (all blocks of a request are touched or
+  inserted after its lookup; in-flight pinning is ignored).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+Seqs = Sequence[tuple[int, Sequence[int]]]
+
+
+def _lookup_limit(n_tokens: int, block_size: int) -> int:
+    return (n_tokens - 1) // block_size
+
+
+def ideal_hit_rate(seqs: Seqs, block_size: int) -> float:
+    seen: set[int] = set()
+    hit = total = 0
+    for n, hashes in seqs:
+        k = 0
+        for h in hashes[: _lookup_limit(n, block_size)]:
+            if h not in seen:
+                break
+            k += 1
+        hit += k * block_size
+        total += n
+        seen.update(hashes)
+    return hit / total if total else 0.0
+
+
+def lru_hit_rate(seqs: Seqs, block_size: int, capacity_blocks: int) -> float:
+    assert capacity_blocks > 0, f"LRU capacity must be positive, got {capacity_blocks}"
+    lru: OrderedDict[int, None] = OrderedDict()
+    hit = total = 0
+    for n, hashes in seqs:
+        k = 0
+        for h in hashes[: _lookup_limit(n, block_size)]:
+            if h not in lru:
+                break
+            k += 1
+        hit += k * block_size
+        total += n
+        for h in hashes:
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > capacity_blocks:
+            lru.popitem(last=False)
+    return hit / total if total else 0.0
