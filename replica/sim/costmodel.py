@@ -10,6 +10,7 @@ width ``D = heads × head_dim``, ``K`` KV bytes per token and tensor parallelism
 
 TP all-reduce time is not modelled (it hides under the overhead at these sizes). KV capacity:
 ``num_gpu_blocks = (mem·tp·0.9 − 2·P) / (K·block_size)`` (vLLM's default 0.9 memory utilization).
+Where the bf16 weights do not fit (L4 with Llama-3.1-70B or Qwen3-32B) it floors at 16 blocks.
 
 Assumed figures (bf16, dense): H100 SXM 989 TFLOP/s, 3.35 TB/s, 80 GB; H200 989 TFLOP/s,
 4.8 TB/s, 141 GB; A100 80GB 312 TFLOP/s, 2.04 TB/s; L4 121 TFLOP/s, 0.3 TB/s, 24 GB.
