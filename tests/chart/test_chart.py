@@ -9,6 +9,7 @@ config/crd/standard; descriptions and status dropped). Unknown fields fail, as t
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 from collections.abc import Iterator
@@ -16,12 +17,14 @@ from typing import Any
 
 import helm_python
 import jsonschema
+import kubernetes
 import kubernetes_validate
 import pytest
 import yaml
 
 from picker import config as picker_config
 from picker.__main__ import build_parser
+from picker.endpoints.kube import KubeProvider
 from replica.sim.__main__ import parser as sim_parser
 from replica.vllm import launcher
 
@@ -50,6 +53,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "simulator": {"simulator": {"enabled": True, "replicas": 3, "args": ["--kv-blocks=2048"]}},
     "data-parallel": {"inferencePool": {"targetPorts": [{"number": 8000}, {"number": 8001}]}},
+    "label-selector": {
+        "inferencePool": {"enabled": False, "targetPorts": [{"number": 8000}, {"number": 8001}]},
+        "simulator": {"enabled": True},
+    },
     "monitoring": {"picker": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
     "envoy-gateway": {
         "provider": "envoy-gateway",
@@ -128,9 +135,9 @@ def test_every_object_validates(case: str) -> None:
     assert docs, "nothing rendered"
     for obj in docs:
         validate(obj)
-    pool = one(docs, "InferencePool")
-    ports = [p["number"] for p in pool["spec"]["targetPorts"]]
-    assert len(ports) == len(set(ports)), "InferencePool targetPorts must be unique (CRD CEL rule)"
+    for pool in (d for d in docs if d["kind"] == "InferencePool"):
+        ports = [p["number"] for p in pool["spec"]["targetPorts"]]
+        assert len(ports) == len(set(ports)), "InferencePool targetPorts must be unique (CRD CEL rule)"
 
 
 @pytest.mark.parametrize("case", sorted(VALUE_SETS))
@@ -160,6 +167,9 @@ def test_defaults_picker_pool_and_rbac() -> None:
     assert container["command"] == ["python", "-m", "picker"]
     assert (args.grpc_port, args.grpc_health_port, args.metrics_port) == (9002, 9003, 9090)
     assert (args.pool_name, args.pool_namespace, args.secure_serving) == (RELEASE, NS, True)
+    assert args.endpoint_selector is None and args.endpoint_target_ports is None
+    provider = kube_provider(args)
+    assert provider.pool_name == RELEASE and provider.namespace == NS
     assert args.config_file == "/etc/kvpick/config.yaml"
     assert container["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
     assert container["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
@@ -203,6 +213,39 @@ def test_defaults_picker_pool_and_rbac() -> None:
     )
     pdb = one(docs, "PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= picker_labels(docs).items()
+
+
+def kube_provider(args: argparse.Namespace) -> KubeProvider:
+    """The picker's kube provider, built from the rendered flags (it rejects a bad combination)."""
+    return KubeProvider.from_flags(
+        pool_name=args.pool_name,
+        pool_namespace=args.pool_namespace,
+        endpoint_selector=args.endpoint_selector,
+        endpoint_target_ports=args.endpoint_target_ports,
+        api=kubernetes.client.ApiClient(),
+    )
+
+
+def test_label_selector_mode_without_inference_pool() -> None:
+    """inferencePool.enabled=false, for clusters without the CRD: no InferencePool object, no
+    RBAC on inferencepools, and the picker selects the replica pods by label on the target ports."""
+    values = VALUE_SETS["label-selector"]
+    docs = render(values)
+    assert not [d for d in docs if d["kind"] == "InferencePool"]
+    container = one(docs, "Deployment", f"{RELEASE}-picker")["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args(container["args"])
+    assert args.pool_name is None and args.pool_namespace == NS
+    assert (args.endpoint_selector, args.endpoint_target_ports) == ("kvpick.io/pool=kvpick", "8000,8001")
+    provider = kube_provider(args)
+    assert provider.pool is not None and provider.pool.target_ports == (8000, 8001)
+    selected = dict(term.split("=", 1) for term in args.endpoint_selector.split(","))
+    sim_labels = one(docs, "Deployment", f"{RELEASE}-sim")["spec"]["template"]["metadata"]["labels"]
+    assert selected.items() <= sim_labels.items(), "the picker would not select the chart's own replicas"
+    assert one(docs, "Role")["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    text = notes(values)
+    assert "No InferencePool" in text and "kind InferencePool" not in text
 
 
 def picker_labels(docs: list[dict[str, Any]]) -> dict[str, str]:
@@ -332,6 +375,13 @@ BAD_VALUES = [
     ({"inferencePool": {"matchLabels": {"app": "bad value!"}}}, "/inferencePool/matchLabels/app", "pattern"),
     ({"provider": "nginx"}, "/provider", "envoy-gateway"),
     ({"gateway": {"create": True}}, "/gateway/className", "minLength"),
+    ({"inferencePool": {"enabled": "no"}}, "/inferencePool/enabled", "want boolean"),
+    (
+        {"inferencePool": {"enabled": False}, "httpRoute": {"enabled": True}},
+        "/httpRoute/enabled",
+        "must be false",
+    ),
+    ({"inferencePool": {"enabled": False}, "provider": "gke"}, "/provider", "must be one of"),
     ({"vllm": {"schedulerCls": "NoModule"}}, "/vllm/schedulerCls", "pattern"),
     ({"vllm": {"args": ["enable-prefix-caching"]}}, "/vllm/args/0", "pattern"),
     ({"httpRoute": {"requestTimeout": "five minutes"}}, "/httpRoute/requestTimeout", "pattern"),

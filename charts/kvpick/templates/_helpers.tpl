@@ -26,11 +26,20 @@ app.kubernetes.io/instance: {{ (index . 0).Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
-{{/* The pool's matchLabels as a kubectl label selector: k1=v1,k2=v2 */}}
+{{/* The pool's matchLabels as a label selector (kubectl -l, --endpoint-selector): k1=v1,k2=v2 */}}
 {{- define "kvpick.poolSelector" -}}
 {{- $terms := list -}}
 {{- range $k, $v := .Values.inferencePool.matchLabels -}}
 {{- $terms = append $terms (printf "%s=%s" $k $v) -}}
 {{- end -}}
 {{- join "," $terms -}}
+{{- end -}}
+
+{{/* The pool's targetPorts as a comma-separated list (--endpoint-target-ports): 8000,8001 */}}
+{{- define "kvpick.targetPorts" -}}
+{{- $ports := list -}}
+{{- range .Values.inferencePool.targetPorts -}}
+{{- $ports = append $ports (toString .number) -}}
+{{- end -}}
+{{- join "," $ports -}}
 {{- end -}}
