@@ -44,3 +44,11 @@ class NoEndpoints(PickerError):
 
     status = 503
     kind = "no_endpoints"
+
+
+class InternalError(PickerError):
+    """An unexpected exception while processing a request; the original is chained as its cause
+    and logged with its traceback where it is translated."""
+
+    status = 500
+    kind = "internal_error"

@@ -12,12 +12,16 @@ Message order per HTTP request (one gRPC stream):
   the response body is echoed back chunk by chunk (SSE passes through unchanged).
 
 :class:`~picker.errors.PickerError` is translated here, and only here, into an
-``ImmediateResponse`` with a JSON error body.
+``ImmediateResponse`` with a JSON error body. Any other exception is logged with its traceback and
+becomes an :class:`~picker.errors.InternalError` (500) at the same boundary.
+
+When the client sent no ``x-request-id``, the one generated for it is set on the upstream request.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -31,7 +35,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from picker import request as request_mod
-from picker.errors import BodyTooLarge, PickerError
+from picker.errors import BodyTooLarge, InternalError, PickerError
 from picker.router import Router, Ticket
 from picker.telemetry import Telemetry
 
@@ -42,6 +46,8 @@ LB_NAMESPACE = "envoy.lb"
 MAX_CHUNK = 62_000
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
+NO_BODY = processing_mode_pb2.ProcessingMode.NONE
+REQUEST_ID = "x-request-id"
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
@@ -102,15 +108,20 @@ class Exchange:
     chosen: list[str] = field(default_factory=list)
     """Endpoint keys, primary first."""
     decision_label: str = "none"
+    request_id: str = ""
+    """The client's ``x-request-id``, or the one generated for it at the pick."""
 
     # -- request path -------------------------------------------------------------------------
     def on_request_headers(
         self, msg: pb.HttpHeaders, cfg: pb.ProtocolConfiguration | None
     ) -> list[pb.ProcessingResponse]:
-        if cfg is not None and cfg.request_body_mode:
+        if cfg is not None:
+            # Envoy sets protocol_config (presence-tracked) on the first message only, with its
+            # configured modes; there NONE (0) is a real mode: no body message will follow.
             self.request_mode, self.response_mode = cfg.request_body_mode, cfg.response_body_mode
         self.headers = _headers_map(msg)
-        if msg.end_of_stream:  # bodiless (GET /v1/models): any ready endpoint
+        if msg.end_of_stream or self.request_mode == NO_BODY:
+            # Bodiless (GET /v1/models), or a body Envoy will not send: any ready endpoint.
             self._pick(b"")
             return [self._headers_response(body_len=None)]
         if self.request_mode == FULL_DUPLEX:
@@ -158,7 +169,8 @@ class Exchange:
         if body:
             req, doc = request_mod.parse(body, path, self.headers, self.router.cfg.lora_adapters)
         else:
-            req, doc = request_mod.InferenceRequest(model="", routing_text=""), {}
+            req, doc = request_mod.from_headers(self.headers), {}
+        self.request_id = req.request_id
         decision = self.router.route(req)
         self.ticket = self.router.start(decision)
         self.chosen = [e.key for e in decision.chosen]
@@ -174,6 +186,8 @@ class Exchange:
 
     def _mutation(self, body_len: int | None) -> pb.CommonResponse:
         hdrs = [_header(DEST_HEADER, self.chosen[0])]
+        if self.request_id != self.headers.get(REQUEST_ID):  # generated here: send it upstream
+            hdrs.append(_header(REQUEST_ID, self.request_id))
         if body_len is not None:
             hdrs.append(_header("content-length", str(body_len)))
         return pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=hdrs), clear_route_cache=True)
@@ -238,10 +252,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         try:
             async for msg in requests:
                 try:
-                    out = self._dispatch(ex, msg)
+                    out = self._step(ex, msg)
                 except PickerError as err:
                     outcome = f"error_{err.status}"
-                    if self.telemetry:
+                    if self.telemetry and ex.ticket is None:  # else counted by close()
                         self.telemetry.requests.labels("rejected", outcome).inc()
                     yield immediate(err)
                     return
@@ -251,18 +265,32 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         finally:
             ex.close(outcome)
 
+    def _step(self, ex: Exchange, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """:meth:`_dispatch`, timing only the call that makes the pick (the e2e histogram holds
+        one sample per picked request). Raises only :class:`PickerError`."""
+        try:
+            if self.telemetry is None or ex.picked:
+                return self._dispatch(ex, msg)
+            start = time.perf_counter()
+            out = self._dispatch(ex, msg)
+            if ex.picked:
+                self.telemetry.e2e.observe(time.perf_counter() - start)
+            return out
+        except PickerError:
+            raise
+        except Exception as exc:
+            rid = ex.request_id or ex.headers.get(REQUEST_ID, "-")
+            log.exception(
+                "ext_proc: unexpected error on %s (x-request-id %s)", msg.WhichOneof("request"), rid
+            )
+            raise InternalError("the endpoint picker failed to process the request") from exc
+
     def _dispatch(self, ex: Exchange, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
             cfg = msg.protocol_config if msg.HasField("protocol_config") else None
-            if self.telemetry:
-                with self.telemetry.e2e.time():
-                    return ex.on_request_headers(msg.request_headers, cfg)
             return ex.on_request_headers(msg.request_headers, cfg)
         if kind == "request_body":
-            if self.telemetry and msg.request_body.end_of_stream:
-                with self.telemetry.e2e.time():
-                    return ex.on_request_body(msg.request_body)
             return ex.on_request_body(msg.request_body)
         if kind == "request_trailers":
             return ex.on_request_trailers()

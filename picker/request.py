@@ -41,6 +41,16 @@ class InferenceRequest:
     prompt_token_ids: tuple[int, ...] | None = None
 
 
+def request_id_of(headers: Mapping[str, str]) -> str:
+    """The client's ``x-request-id``, or a fresh one when it sent none (or an empty one)."""
+    return headers.get("x-request-id") or uuid.uuid4().hex
+
+
+def from_headers(headers: Mapping[str, str]) -> InferenceRequest:
+    """A bodiless request (a GET, or a body Envoy does not send): nothing to route on but headers."""
+    return InferenceRequest(model="", routing_text="", request_id=request_id_of(headers))
+
+
 def parse(
     body: bytes,
     path: str,
@@ -68,7 +78,7 @@ def parse(
     req = InferenceRequest(
         model=model,
         routing_text=text,
-        request_id=headers.get("x-request-id") or uuid.uuid4().hex,
+        request_id=request_id_of(headers),
         stream=bool(doc.get("stream", False)),
         cache_salt=salt if isinstance(salt, str) else "",
         lora=model if model in lora_adapters else "",

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import AsyncIterator
 
+import pytest
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from picker.config import RouterConfig
 from picker.endpoints.pool import Pool
 from picker.endpoints.types import Endpoint
-from picker.extproc import BUFFERED, DEST_HEADER, FULL_DUPLEX, MAX_CHUNK, Exchange
+from picker.extproc import BUFFERED, DEST_HEADER, FULL_DUPLEX, MAX_CHUNK, Exchange, ExtProcService
 from picker.router import Router
+from picker.telemetry import Telemetry
 
 
 def make(mode: int = FULL_DUPLEX) -> tuple[Exchange, Pool]:
@@ -107,3 +112,167 @@ def test_close_is_idempotent_and_releases_accounting() -> None:
     ex.close("aborted")
     ex.close("aborted")
     assert all(s.in_flight_requests == 0 and s.in_flight_tokens == 0 for s in pool)
+
+
+# ---- x-request-id ----------------------------------------------------------------------------
+
+
+def _mutated(out: list[pb.ProcessingResponse]) -> dict[str, str]:
+    """The header mutation the picker returned, wherever the mode put it."""
+    for o in out:
+        kind = o.WhichOneof("response")
+        if kind in ("request_headers", "request_body"):
+            common = getattr(o, kind).response
+            if common.header_mutation.set_headers:
+                return dest(common)
+    raise AssertionError(f"no header mutation in {out}")
+
+
+def _run(ex: Exchange, mode: int, eos_at_headers: bool = False, **hdrs: str) -> list[pb.ProcessingResponse]:
+    out = ex.on_request_headers(headers(eos=eos_at_headers, **hdrs), None)
+    if not eos_at_headers:
+        out += ex.on_request_body(pb.HttpBody(body=b'{"model": "m", "prompt": "hi"}', end_of_stream=True))
+    return out
+
+
+def test_generated_request_id_is_sent_upstream() -> None:
+    for mode, bodiless in [(FULL_DUPLEX, False), (BUFFERED, False), (FULL_DUPLEX, True)]:
+        ex, _ = make(mode)
+        sent = _mutated(_run(ex, mode, eos_at_headers=bodiless))
+        rid = sent.get("x-request-id", "")
+        assert len(rid) == 32 and int(rid, 16) >= 0, f"mode {mode}, bodiless {bodiless}: {sent}"
+        assert rid == ex.request_id, "the id sent upstream is the one the picker uses"
+        ex.close()
+
+
+def test_client_request_id_is_kept_and_not_rewritten() -> None:
+    for bodiless in (False, True):
+        ex, _ = make()
+        sent = _mutated(_run(ex, FULL_DUPLEX, eos_at_headers=bodiless, x_request_id="client-id-1"))
+        assert "x-request-id" not in sent, sent
+        assert ex.request_id == "client-id-1"
+        ex.close()
+
+
+# ---- body mode NONE --------------------------------------------------------------------------
+
+NO_BODY = processing_mode_pb2.ProcessingMode.NONE
+
+
+def test_body_mode_none_picks_at_request_headers() -> None:
+    """With request_body_mode NONE Envoy sends no body: a POST whose headers do not end the stream
+    is answered at once, with a destination. protocol_config is a message field, so an all-default
+    one (NONE, NONE) still arrives as present over the wire."""
+    on_wire = pb.ProcessingRequest(
+        request_headers=headers(),
+        protocol_config=pb.ProtocolConfiguration(request_body_mode=NO_BODY, response_body_mode=NO_BODY),
+    ).SerializeToString()
+    msg = pb.ProcessingRequest.FromString(on_wire)
+    assert msg.HasField("protocol_config")
+    ex, pool = make(FULL_DUPLEX)  # the picker's default mode is full duplex
+    [resp] = ex.on_request_headers(msg.request_headers, msg.protocol_config)
+    assert resp.WhichOneof("response") == "request_headers"
+    assert DEST_HEADER in dest(resp.request_headers.response)
+    assert sum(s.in_flight_requests for s in pool) == 1
+    ex.on_response_headers(headers(eos=True))
+    assert sum(s.in_flight_requests for s in pool) == 0
+
+
+def test_announced_full_duplex_still_waits_for_the_body() -> None:
+    ex, _ = make(BUFFERED)
+    cfg = pb.ProtocolConfiguration(request_body_mode=FULL_DUPLEX, response_body_mode=FULL_DUPLEX)
+    assert ex.on_request_headers(headers(), cfg) == []
+
+
+# ---- the service: pick latency and unexpected errors -----------------------------------------
+
+
+def _service() -> tuple[ExtProcService, Telemetry, Pool]:
+    ex, pool = make()
+    telemetry = Telemetry()
+    return ExtProcService(ex.router, telemetry), telemetry, pool
+
+
+def _stream(*msgs: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingRequest]:
+    async def gen() -> AsyncIterator[pb.ProcessingRequest]:
+        for m in msgs:
+            yield m
+
+    return gen()
+
+
+BODY = pb.HttpBody(body=b'{"model": "m", "prompt": "hi"}', end_of_stream=True)
+
+
+def _sample_count(telemetry: Telemetry, name: str) -> float:
+    value = telemetry.registry.get_sample_value(f"{name}_count")
+    return value or 0.0
+
+
+async def test_pick_latency_has_one_sample_per_picked_request() -> None:
+    svc, telemetry, _ = _service()
+    e2e = "inference_extension_scheduler_e2e_duration_seconds"
+    streams = [
+        # full duplex: headers (no pick), body end (the pick), response
+        [
+            pb.ProcessingRequest(request_headers=headers()),
+            pb.ProcessingRequest(request_body=BODY),
+            pb.ProcessingRequest(response_headers=headers(eos=True)),
+        ],
+        # bodiless: the pick is at the headers
+        [pb.ProcessingRequest(request_headers=headers(eos=True))],
+        # a bad body: no pick, no sample
+        [
+            pb.ProcessingRequest(request_headers=headers()),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=b"{nope", end_of_stream=True)),
+        ],
+    ]
+    for msgs in streams:
+        [r async for r in svc.Process(_stream(*msgs), None)]
+    assert _sample_count(telemetry, e2e) == 2
+
+
+async def test_unexpected_error_becomes_a_json_500_and_releases_accounting(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    svc, telemetry, pool = _service()
+
+    def boom(*_: object) -> None:
+        raise KeyError("bug after the pick")
+
+    monkeypatch.setattr(svc.router, "first_token", boom)  # fails once the request is in flight
+    msgs = [
+        pb.ProcessingRequest(request_headers=headers(x_request_id="rid-7")),
+        pb.ProcessingRequest(request_body=BODY),
+        pb.ProcessingRequest(response_headers=headers()),
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: 1\n\n")),
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True)),
+    ]
+    with caplog.at_level(logging.ERROR, logger="picker.extproc"):
+        out = [r async for r in svc.Process(_stream(*msgs), None)]
+    last = out[-1]
+    assert last.WhichOneof("response") == "immediate_response", "the stream ends with a 500, not an RPC error"
+    assert last.immediate_response.status.code == 500
+    err = json.loads(last.immediate_response.body)["error"]
+    assert err["code"] == 500 and err["type"] == "internal_error" and err["message"]
+    assert len(out) == 4, "nothing is answered after the error"
+    assert all(s.in_flight_requests == 0 and s.in_flight_tokens == 0 for s in pool)
+    [rec] = [r for r in caplog.records if r.name == "picker.extproc"]
+    assert rec.exc_info is not None and isinstance(rec.exc_info[1], KeyError), "logged with its traceback"
+    assert "rid-7" in rec.getMessage()
+    counted = {"decision": "prefix_miss", "outcome": "error_500"}
+    assert telemetry.registry.get_sample_value("kvpick_requests_total", counted) == 1, "counted once"
+
+
+async def test_unexpected_error_before_the_pick_is_a_500_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    svc, _, pool = _service()
+
+    def boom(*_: object) -> None:
+        raise ZeroDivisionError("bug in scoring")
+
+    monkeypatch.setattr(svc.router, "route", boom)
+    msgs = [pb.ProcessingRequest(request_headers=headers()), pb.ProcessingRequest(request_body=BODY)]
+    [resp] = [r async for r in svc.Process(_stream(*msgs), None)]
+    assert resp.immediate_response.status.code == 500
+    assert json.loads(resp.immediate_response.body)["error"]["type"] == "internal_error"
+    assert all(s.in_flight_requests == 0 for s in pool)
