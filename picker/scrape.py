@@ -35,6 +35,8 @@ WANTED = (
     "vllm:prefix_cache_queries",
     "vllm:prefix_cache_hits",
 )
+EXPECTED = (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError)
+"""Failures of a scrape that are logged without a traceback (network, HTTP status, bad page)."""
 _PREFIXES = tuple(WANTED) + tuple(f"# TYPE {n}" for n in WANTED) + tuple(f"# HELP {n}" for n in WANTED)
 
 
@@ -135,15 +137,24 @@ class Scraper:
         state.health = Health.READY
 
     async def _poll(self, state: EndpointState) -> None:
+        """Scrape until cancelled. Any ``Exception`` counts as a failed scrape: an unexpected one is
+        logged with its traceback (once per streak of the same kind) and polling goes on, so no
+        endpoint's health freezes. ``CancelledError`` is not an ``Exception`` and ends the task."""
         failures = 0
+        last_unexpected = ""
         while True:
             try:
                 await self.scrape_once(state)
                 failures = 0
+                last_unexpected = ""
                 self.on_update(state)
-            except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
+            except Exception as exc:
                 failures += 1
-                self.on_error(state, type(exc).__name__)
+                reason = type(exc).__name__
+                if not isinstance(exc, EXPECTED) and reason != last_unexpected:
+                    log.exception("endpoint %s: unexpected error while scraping", state.key)
+                    last_unexpected = reason
+                self.on_error(state, reason)
                 if failures >= self.cfg.unreachable_after:
                     if state.health is not Health.UNREACHABLE:
                         log.warning("endpoint %s unreachable: %s", state.key, exc)

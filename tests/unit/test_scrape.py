@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import logging
 import re
 from pathlib import Path
 
 import pytest
 
-from picker.scrape import WANTED, parse_metrics, prefilter
+from picker.config import ScrapeConfig
+from picker.endpoints.pool import Pool
+from picker.endpoints.types import Endpoint, EndpointState, Health
+from picker.scrape import WANTED, Scraper, parse_metrics, prefilter
 
 FIXTURE = Path(__file__).parent / "data" / "vllm_0.32_metrics.txt"
 
@@ -62,3 +67,36 @@ def test_wanted_names_exist_in_vllm_source() -> None:
     missing = [n for n in WANTED if n not in names and n != "vllm:cache_config_info"]
     assert not missing, f"picker.scrape reads metrics vLLM does not export: {missing}"
     assert "vllm:gpu_cache_usage_perc" not in names, "vLLM renamed it to kv_cache_usage_perc"
+
+
+async def test_an_unexpected_scrape_error_is_counted_logged_and_polling_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A KeyError (outside the expected network/parse errors) must not end the endpoint's poll
+    task: it counts as a failed scrape, is logged with its traceback, and the next scrape runs."""
+    pool = Pool()
+    pool.set_endpoints([Endpoint("127.0.0.1", 1)])
+    [state] = list(pool)
+    errors: list[str] = []
+    updated = asyncio.Event()
+    calls = 0
+
+    async def flaky(st: EndpointState) -> None:
+        nonlocal calls
+        calls += 1
+        if calls <= 4:
+            raise KeyError("bug in a parser")
+        st.health = Health.READY
+
+    cfg = ScrapeConfig(interval_s=0.001, unreachable_after=3)
+    scraper = Scraper(
+        pool, cfg, on_update=lambda s: updated.set(), on_error=lambda s, why: errors.append(why)
+    )
+    monkeypatch.setattr(scraper, "scrape_once", flaky)
+    with caplog.at_level(logging.ERROR, logger="picker.scrape"):
+        async with scraper:
+            await asyncio.wait_for(updated.wait(), timeout=5)
+    assert errors == ["KeyError"] * 4, "each failure is counted as a scrape error"
+    assert state.health is Health.READY, "the endpoint recovers: health did not freeze at UNREACHABLE"
+    logged = [r for r in caplog.records if r.name == "picker.scrape" and r.exc_info]
+    assert len(logged) == 1 and isinstance(logged[0].exc_info[1], KeyError), "one traceback per streak"  # type: ignore[index]
