@@ -353,6 +353,18 @@ def test_providers(provider: str) -> None:
     assert f"get gateway {RELEASE}-gateway" in text and "/v1/completions" in text
 
 
+def test_install_guide_values_render() -> None:
+    """docs/install-gpu-cluster.md's values file is valid for this chart and does what it says."""
+    guide = (ROOT / "docs" / "install-gpu-cluster.md").read_text()
+    block = next(b for b in guide.split("```yaml\n")[1:] if b.startswith("# my-values.yaml"))
+    values = yaml.safe_load(block.split("```")[0])
+    docs = render(values)
+    c = one(docs, "Deployment", f"{RELEASE}-vllm")["spec"]["template"]["spec"]["containers"][0]
+    assert f"--model={values['model']}" in c["args"]
+    assert f"--scheduler-cls={launcher.ASYNC_CLS}" in c["args"] and launcher.ASYNC_CLS in guide
+    assert values["model"] in notes(values)
+
+
 def test_existing_gateway_and_service_monitor() -> None:
     route = one(render(VALUE_SETS["existing-gateway"]), "HTTPRoute")
     assert route["spec"]["parentRefs"][0] | {} == {
