@@ -76,6 +76,12 @@ class Telemetry:
                     gauge.remove(*labels)
 
     def forget(self, key: str) -> None:
+        """Drop every series labelled with endpoint ``key`` (it left the pool): label cardinality
+        stays bounded by the live endpoints."""
         for gauge in (self.in_flight, self.in_flight_tokens):
             with contextlib.suppress(KeyError):
                 gauge.remove(key)
+        for labels in list(self.scrape_errors._metrics):  # (endpoint, reason)
+            if labels[0] == key:
+                with contextlib.suppress(KeyError):
+                    self.scrape_errors.remove(*labels)
