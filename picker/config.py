@@ -4,7 +4,7 @@ Example ``--config-file``::
 
     policy: cost
     hashing: {block_size: 64, max_blocks: 2048}
-    index: {capacity_blocks: 31250, segments: 4, chars_per_token: 4.0}
+    index: {capacity_blocks: 31250, segments: 4, chars_per_token: 4.0, max_derived_capacity_blocks: 1000000}
     fallbacks: 2
     max_body_bytes: 8388608
     scrape: {interval_s: 0.2, timeout_s: 1.0, stale_after_s: 2.0, unreachable_after: 3}
@@ -37,6 +37,17 @@ class IndexConfig:
     segments: int = 4
     chars_per_token: float = 4.0
     derive_capacity: bool = True
+    max_derived_capacity_blocks: int = 1_000_000
+    """Upper bound on a derived capacity, in hash blocks (about 88 MB of index per endpoint at
+    ~88 B per entry): a replica reporting a huge ``num_gpu_blocks`` cannot make its LRU unbounded.
+    Generous on purpose: 1M blocks of 64 characters is about 16M tokens of KV cache."""
+
+    def __post_init__(self) -> None:
+        if self.max_derived_capacity_blocks < self.segments:
+            raise ValueError(
+                f"index.max_derived_capacity_blocks must be >= segments ({self.segments}), "
+                f"got {self.max_derived_capacity_blocks}"
+            )
 
 
 @dataclass(frozen=True)

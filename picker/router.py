@@ -154,13 +154,14 @@ class Router:
         assert state.in_flight_tokens >= 0, f"{state.key}: in-flight tokens went negative"
 
     def refresh_capacity(self, state: EndpointState) -> None:
-        """Size the endpoint's LRU from its ``vllm:cache_config_info`` (KV blocks × block tokens)."""
-        m = state.metrics
-        if not (self.cfg.index.derive_capacity and m.block_size and m.num_gpu_blocks):
+        """Size the endpoint's LRU from its ``vllm:cache_config_info`` (KV blocks × block tokens),
+        clamped to [``segments``, ``max_derived_capacity_blocks``]."""
+        m, icfg = state.metrics, self.cfg.index
+        if not (icfg.derive_capacity and m.block_size and m.num_gpu_blocks):
             return
         tokens = m.block_size * m.num_gpu_blocks
-        blocks = int(tokens * self.cfg.index.chars_per_token / self.cfg.hashing.block_size)
-        self.index.set_capacity(state.key, max(blocks, self.cfg.index.segments))
+        blocks = int(tokens * icfg.chars_per_token / self.cfg.hashing.block_size)
+        self.index.set_capacity(state.key, min(max(blocks, icfg.segments), icfg.max_derived_capacity_blocks))
 
     def explain(self, req: InferenceRequest, policy: str | None = None) -> dict[str, object]:
         """Per-endpoint scores and TTFT estimates for ``req``, without sending it anywhere."""

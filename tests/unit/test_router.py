@@ -139,6 +139,29 @@ def test_refresh_capacity_from_cache_config() -> None:
     assert s2.key not in list(off.index.keys()), "derive_capacity=False keeps the configured default"
 
 
+def test_derived_capacity_is_clamped_to_the_configured_maximum() -> None:
+    router, pool, _ = make(1, index=IndexConfig(max_derived_capacity_blocks=5000))
+    state = next(iter(pool))
+    state.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=10**9)  # a bogus, huge report
+    router.refresh_capacity(state)
+    assert router.index._lrus[state.key].capacity == 5000
+    router.index.record(state.key, list(range(20_000)))
+    assert router.index.size(state.key) <= 5000
+    state.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=2000)  # 2000 blocks: under the cap
+    router.refresh_capacity(state)
+    assert router.index._lrus[state.key].capacity == 2000
+
+
+def test_default_maximum_derived_capacity() -> None:
+    router, pool, _ = make(1)
+    state = next(iter(pool))
+    state.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=10**12)
+    router.refresh_capacity(state)
+    assert router.index._lrus[state.key].capacity == IndexConfig().max_derived_capacity_blocks == 1_000_000
+    with pytest.raises(ValueError, match="max_derived_capacity_blocks"):
+        IndexConfig(max_derived_capacity_blocks=1)
+
+
 def _decoding(router: Router, r: InferenceRequest) -> Ticket:
     """Send ``r`` and let its prefill finish; it stays in flight (decoding)."""
     t = router.start(router.route(r))
