@@ -139,7 +139,8 @@ class Router:
             observed = work / elapsed
             a = self.cfg.rate_ewma_alpha
             state.prefill_rate = _ewma(state.prefill_rate, observed, a)
-            self.prefill_rate = _ewma(self.prefill_rate, observed, a)  # what the cost scorer reads
+            state.prefill_samples += 1
+            self.prefill_rate = _ewma(self.prefill_rate, observed, a)  # until the endpoint has its own
 
     def finish(self, ticket: Ticket) -> None:
         if ticket.done:

@@ -74,6 +74,8 @@ class EndpointState:
     """Estimated uncached prompt tokens of requests sent here that have not produced a first byte."""
     prefill_rate: float = 0.0
     """Observed prefill throughput in tokens/s (EWMA); 0 means no observation yet."""
+    prefill_samples: int = 0
+    """Observations folded into ``prefill_rate``."""
     added_at: float = field(default_factory=time.monotonic)
     key: str = field(init=False)
     """The endpoint's ``"ip:port"``; fixed for the state's life (the pool keys states by it)."""

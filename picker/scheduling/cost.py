@@ -6,8 +6,10 @@
 - ``queued(e)``: prefill work ahead of the request: the larger of the uncached tokens we sent to
   ``e`` that have not produced a first byte yet, and the scraped waiting queue times
   ``tokens_per_waiting``.
-- ``rate``: the pool's observed prefill rate (tokens/s; an EWMA fed by the router from prefill
-  work ÷ measured time to first byte); ``default_rate`` until observed.
+- ``rate(e)``: that endpoint's observed prefill rate (tokens/s; an EWMA fed by the router from
+  prefill work ÷ measured time to first byte) once it has ``min_rate_samples`` observations;
+  until then the pool-wide observed rate (the same EWMA over every endpoint, so one noisy first
+  sample cannot herd cold traffic); ``default_rate`` until anything is observed.
 - ``running(e) * decode_step_s``: running decodes share each engine step with the prefill.
 
 The score is ``min_ttft / ttft(e)``: 1 for the cheapest endpoint, smaller for the rest, so the
@@ -26,21 +28,32 @@ from picker.scheduling.types import Cycle
 @dataclass
 class CostScorer:
     default_rate: float = 10_000.0
-    """Prefill tokens/s assumed before an endpoint's rate has been observed."""
+    """Prefill tokens/s assumed before any rate has been observed."""
+    min_rate_samples: int = 5
+    """Observations an endpoint needs before its own rate replaces the pool-wide one."""
     tokens_per_waiting: float = 512.0
     decode_step_s: float = 0.0005
     overhead_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        if self.min_rate_samples < 1 or self.default_rate <= 0:
+            raise ValueError(
+                f"cost: min_rate_samples must be >= 1 and default_rate > 0, got "
+                f"{self.min_rate_samples} and {self.default_rate}"
+            )
 
     def estimate(self, cycle: Cycle, e: EndpointState) -> float:
         return self.estimates(cycle, (e,))[e.key]
 
     def estimates(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
         """The formula above for every endpoint; one loop with locals (it runs per request)."""
-        rate = cycle.prefill_rate if cycle.prefill_rate > 0 else self.default_rate
+        pool_rate = cycle.prefill_rate if cycle.prefill_rate > 0 else self.default_rate
+        min_samples = self.min_rate_samples
         prompt, block_tokens, matches = cycle.prompt_tokens, cycle.block_tokens, cycle.matches
         per_waiting, step, overhead = self.tokens_per_waiting, self.decode_step_s, self.overhead_s
         out: dict[str, float] = {}
         for e in endpoints:
+            rate = e.prefill_rate if e.prefill_samples >= min_samples else pool_rate
             m = e.metrics
             uncached = prompt - min(prompt, int(matches.get(e.key, 0) * block_tokens))
             pending, waiting = e.pending_prefill_tokens, m.waiting * per_waiting

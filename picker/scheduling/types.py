@@ -33,8 +33,8 @@ class Cycle:
     """Endpoint key → leading prefix blocks the index says that endpoint has."""
     now: float
     prefill_rate: float = 0.0
-    """Pool-wide observed prefill throughput in tokens/s (0 = not observed yet). Pool-wide because
-    an InferencePool's replicas are homogeneous: per-endpoint noise must not herd cold traffic."""
+    """Pool-wide observed prefill throughput in tokens/s (0 = not observed yet): the fallback for
+    an endpoint with too few observations of its own (``EndpointState.prefill_rate``)."""
 
     def cached_tokens(self, key: str) -> int:
         return min(self.prompt_tokens, int(self.matches.get(key, 0) * self.block_tokens))

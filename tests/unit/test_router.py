@@ -77,6 +77,7 @@ def test_first_token_feeds_the_prefill_rate_ewma() -> None:
     router.first_token(t1)
     assert router.prefill_rate == pytest.approx(2048.0), "first observation is taken as is"
     assert t1.state.prefill_rate == pytest.approx(2048.0)
+    assert t1.state.prefill_samples == 1
     clock.t += 1.0
     router.first_token(t1)  # only the first byte counts
     router.finish(t1)
@@ -94,6 +95,23 @@ def test_first_token_feeds_the_prefill_rate_ewma() -> None:
     router.first_token(t3)
     router.finish(t3)
     assert router.prefill_rate == pytest.approx(0.8 * 2048 + 0.2 * 4096)
+    assert t3.state.prefill_samples == 2, "a prefill too short to measure is not a sample"
+
+
+def test_each_endpoints_observed_rate_reaches_its_cost_estimate() -> None:
+    router, pool, clock = make(2)
+    slow, fast = list(pool)
+    for state, seconds in ((slow, 1.0), (fast, 0.25)):
+        for _ in range(5):  # CostScorer.min_rate_samples
+            t = Ticket(state, 1024, 1024, 0, clock.t)
+            clock.t += seconds
+            router.first_token(t)
+    assert (slow.prefill_rate, fast.prefill_rate) == (pytest.approx(1024.0), pytest.approx(4096.0))
+    endpoints = router.explain(req("a" * 4096))["endpoints"]  # 1024 tokens, nothing cached
+    assert isinstance(endpoints, dict)
+    est = {k: e["ttft_estimate_s"] for k, e in endpoints.items()}
+    assert est[slow.key] == pytest.approx(1024 / 1024.0 + 0.005, abs=1e-6)
+    assert est[fast.key] == pytest.approx(1024 / 4096.0 + 0.005, abs=1e-6)
 
 
 def test_queued_work_counts_towards_the_observed_rate() -> None:

@@ -166,8 +166,9 @@ def test_session_affinity_scorer_remembers_bounded() -> None:
 
 
 # ---- the cost scorer -----------------------------------------------------------------------------
-# est(e) = (max(pending, waiting * 512) + prompt - cached) / rate + max(running, in_flight) * 0.0005
-#          + 0.005, with the pool-wide rate (default 10,000 tokens/s until observed).
+# est(e) = (max(pending, waiting * 512) + prompt - cached) / rate(e) + max(running, in_flight) * 0.0005
+#          + 0.005, with rate(e) the endpoint's own observed rate after 5 observations, else the
+#          pool-wide rate (default 10,000 tokens/s until observed).
 # Prompt 8192 tokens, A holds 256 blocks * 16 tokens = 4096 of them, B none:
 #   est(A) = (q_A + 4096) / 1e4 + 0.005,  est(B) = 8192 / 1e4 + 0.005,
 # so A wins exactly while its queued work q_A < 4096 tokens: pending 4095 → A, 4097 → B; by the
@@ -206,6 +207,39 @@ def test_cost_crossover_does_not_depend_on_the_rate(rate: float, pending: int, w
     """Queued and uncached work are divided by the same pool-wide rate: the crossover stays at
     q_A = 4096 tokens whatever the rate."""
     assert _cost_pick(ep(1, pending_prefill_tokens=pending), ep(2), rate) == winner
+
+
+def test_cost_uses_each_endpoints_own_observed_rate() -> None:
+    """Same uncached tokens, same load: the endpoint observed to prefill slower gets the higher
+    estimate, by its own rate, not the pool's."""
+    cyc = cycle({}, n_blocks=512, prompt_tokens=8192, prefill_rate=2000.0)
+    slow = ep(1, prefill_rate=1024.0, prefill_samples=5)
+    fast = ep(2, prefill_rate=4096.0, prefill_samples=9)
+    est = CostScorer().estimates(cyc, [slow, fast])
+    assert est[A] == pytest.approx(8192 / 1024 + 0.005)
+    assert est[B] == pytest.approx(8192 / 4096 + 0.005)
+    assert est[A] > est[B]
+    scores = CostScorer().score(cyc, [slow, fast])
+    assert scores[B] == 1.0 > scores[A]
+
+
+@pytest.mark.parametrize(
+    ("samples", "pool_rate", "rate_used"),
+    [
+        (4, 2000.0, 2000.0),  # too few observations of its own: the pool-wide rate
+        (0, 0.0, 10_000.0),  # nothing observed anywhere: the default
+        (5, 0.0, 1024.0),  # enough of its own
+    ],
+)
+def test_cost_rate_fallbacks(samples: int, pool_rate: float, rate_used: float) -> None:
+    cyc = cycle({}, n_blocks=512, prompt_tokens=8192, prefill_rate=pool_rate)
+    e = ep(1, prefill_rate=1024.0 if samples else 0.0, prefill_samples=samples)
+    assert CostScorer().estimate(cyc, e) == pytest.approx(8192 / rate_used + 0.005)
+
+
+def test_cost_rejects_bad_params() -> None:
+    with pytest.raises(ValueError, match="min_rate_samples"):
+        make_scorer("cost", {"min_rate_samples": 0})
 
 
 def test_cost_estimate_by_hand() -> None:
