@@ -27,21 +27,41 @@ def _bool(v: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
 
 
+BODY_MODES = {"full-duplex": FULL_DUPLEX, "buffered": BUFFERED}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` only for real defaults. A ``None`` default means "not given": the
+    routing overrides then keep the config's value, and their help names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _from_config(value: object) -> str:
+    return f"(default from config: {value})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m picker", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = argparse.ArgumentParser(prog="python -m picker", description=__doc__, formatter_class=_HelpFormatter)
+    so, cfg = ServerOptions(), config_mod.RouterConfig()
     g = p.add_argument_group("serving (GIE-compatible names)")
-    g.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port (also serves gRPC health)")
-    g.add_argument("--grpc-health-port", type=int, default=9003, help="plaintext gRPC health port")
     g.add_argument(
-        "--metrics-port", type=int, default=9090, help="Prometheus /metrics and /debug/* HTTP port"
+        "--grpc-port", type=int, default=so.grpc_port, help="ext_proc gRPC port (also serves gRPC health)"
     )
-    g.add_argument("--host", default="0.0.0.0", help="address to bind all ports on")
+    g.add_argument(
+        "--grpc-health-port", type=int, default=so.grpc_health_port, help="plaintext gRPC health port"
+    )
+    g.add_argument(
+        "--metrics-port", type=int, default=so.metrics_port, help="Prometheus /metrics and /debug/* HTTP port"
+    )
+    g.add_argument("--host", default=so.host, help="address to bind all ports on")
     g.add_argument(
         "--secure-serving",
         type=_bool,
-        default=True,
+        default=so.secure_serving,
         metavar="BOOL",
         help="serve ext_proc over TLS (self-signed unless --cert-path); false for plaintext",
     )
@@ -49,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--enable-cert-reload",
         type=_bool,
-        default=False,
+        default=so.enable_cert_reload,
         metavar="BOOL",
         help="re-read the certificate in --cert-path when it changes",
     )
@@ -65,28 +85,59 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--endpoint-target-ports", default=None, help="target ports for --endpoint-selector, e.g. 8000,8001"
     )
-    r = p.add_argument_group("routing (override the config file)")
-    r.add_argument(
-        "--policy", default=None, help="scheduling policy: cost, weighted, round-robin, least-loaded, ..."
+    r = p.add_argument_group(
+        "routing (override the config file)",
+        "Each flag, when given, replaces the --config-file value; the defaults shown are the "
+        "built-in config's.",
     )
     r.add_argument(
-        "--block-size", type=int, default=None, help="prefix hash block size in bytes of prompt text"
+        "--policy",
+        default=None,
+        help=f"scheduling policy: {', '.join(cfg.profiles)}, or one the config file defines "
+        f"{_from_config(cfg.policy)}",
     )
     r.add_argument(
-        "--index-capacity", type=int, default=None, help="default per-endpoint LRU capacity in blocks"
+        "--block-size",
+        type=int,
+        default=None,
+        help=f"prefix hash block size in bytes of prompt text {_from_config(cfg.hashing.block_size)}",
     )
-    r.add_argument("--fallbacks", type=int, default=None, help="fallback endpoints named after the primary")
     r.add_argument(
-        "--max-body-bytes", type=int, default=None, help="largest request body accepted (else 413)"
+        "--index-capacity",
+        type=int,
+        default=None,
+        help=f"default per-endpoint LRU capacity in blocks {_from_config(cfg.index.capacity_blocks)}",
     )
-    r.add_argument("--scrape-interval", type=float, default=None, help="seconds between /metrics polls")
+    r.add_argument(
+        "--fallbacks",
+        type=int,
+        default=None,
+        help=f"fallback endpoints named after the primary {_from_config(cfg.fallbacks)}",
+    )
+    r.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help=f"largest request body accepted (else 413) {_from_config(cfg.max_body_bytes)}",
+    )
+    r.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=None,
+        help=f"seconds between /metrics polls {_from_config(cfg.scrape.interval_s)}",
+    )
     r.add_argument(
         "--body-mode",
-        choices=["full-duplex", "buffered"],
-        default="full-duplex",
-        help="request body mode assumed when Envoy does not announce it",
+        choices=list(BODY_MODES),
+        default=next(k for k, v in BODY_MODES.items() if v == so.default_body_mode),
+        help="request body mode assumed when Envoy does not announce it in the stream's protocol_config",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="level of the picker's own log lines (stderr)",
+    )
     return p
 
 
@@ -145,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         secure_serving=args.secure_serving,
         cert_path=args.cert_path,
         enable_cert_reload=args.enable_cert_reload,
-        default_body_mode=BUFFERED if args.body_mode == "buffered" else FULL_DUPLEX,
+        default_body_mode=BODY_MODES[args.body_mode],
     )
     server = PickerServer(cfg, provider, opts)
 
