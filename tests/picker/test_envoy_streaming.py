@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import http.client as http_client
 import json
 import socket
 import time
@@ -43,12 +43,29 @@ def test_client_abort_does_not_leak_in_flight(envoy_stack: Stack) -> None:
     envoy_stack.wait_in_flight_zero()
 
 
+def _upstream_stats(st: Stack) -> dict[int, dict[str, float]]:
+    return {p: json.loads(http("GET", f"http://127.0.0.1:{p}/stats")[1]) for p in st.upstreams}
+
+
 def test_upstream_reset_does_not_leak_in_flight(envoy_stack: Stack) -> None:
+    """The chosen upstream serves the request and aborts its connection after event 2; the client
+    sees a truncated stream, and the picker's in-flight accounting still returns to zero."""
+    before = _upstream_stats(envoy_stack)
     body = json.dumps(
         {"model": "m", "prompt": "reset", "stream": True, "chunks": 10, "reset_after": 2}
     ).encode()
-    with contextlib.suppress(Exception):
+    with pytest.raises((http_client.IncompleteRead, ConnectionError)) as err:
         http("POST", envoy_stack.url + "/v1/completions", body, timeout=10)
+    after = _upstream_stats(envoy_stack)
+    served = {p: after[p]["served"] - before[p]["served"] for p in after}
+    resets = {p: after[p]["resets"] - before[p]["resets"] for p in after}
+    [port] = [p for p, n in resets.items() if n]
+    assert resets[port] == 1 and sum(resets.values()) == 1, f"one upstream reset: {resets}"
+    assert served == {p: int(p == port) for p in served}, f"the request reached that upstream: {served}"
+    if isinstance(err.value, http_client.IncompleteRead):  # headers and some events got through
+        events = [e for e in err.value.partial.decode().split("\n\n") if e]
+        assert "data: [DONE]" not in events
+        assert all(json.loads(e[6:])["served_by"] == port for e in events)
     envoy_stack.wait_in_flight_zero()
 
 

@@ -5,7 +5,9 @@
 - ``POST /v1/*``: JSON ``{"served_by": port, "sha256": ..., "bytes": n, "model": ...}``; with
   ``"stream": true`` an SSE stream of ``chunks`` events (``?delay=`` seconds between events).
 - ``GET /metrics``: vLLM-named gauges; ``POST /control {"waiting": n, "kv": x}`` sets them.
-- ``GET /health``: 200. ``POST /reset`` on a stream drops the connection mid-stream.
+- ``GET /health``: 200. A streamed request with ``"reset_after": i`` drops the connection (TCP
+  abort) right after event ``i``.
+- ``GET /stats``: the gauges plus ``served`` (requests answered) and ``resets`` (streams dropped).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from aiohttp import web
 
 
 def make_app(port: int) -> web.Application:
-    state = {"waiting": 0.0, "running": 0.0, "kv": 0.0, "served": 0}
+    state = {"waiting": 0.0, "running": 0.0, "kv": 0.0, "served": 0, "resets": 0}
 
     async def completions(req: web.Request) -> web.StreamResponse:
         body = await req.read()
@@ -44,6 +46,7 @@ def make_app(port: int) -> web.Application:
             for i in range(n):
                 await resp.write(f"data: {json.dumps({'i': i, **info})}\n\n".encode())
                 if doc.get("reset_after") == i and req.transport is not None:
+                    state["resets"] += 1
                     req.transport.abort()  # upstream reset mid-stream
                     return resp
                 if delay:
