@@ -3,8 +3,12 @@
     python -m replica.sim.stack --replicas 4 --policy cost
 
 Prints where to send requests, then a live status line per replica (requests, prefix-cache hit
-rate, queue) read from each replica's vLLM-style ``/metrics``. Ctrl-C (or SIGTERM) stops every
-child process group and waits for it, so nothing is left behind.
+rate, queue) read from each replica's vLLM-style ``/metrics``.
+
+Stopping: Ctrl-C, SIGTERM and SIGHUP (the terminal closed) all stop every child process group and
+wait for it, so nothing is left behind. The children run in their own sessions, so a terminal's
+signals reach only this process, which is the one place that stops them. A signal during
+startup stops it at once (no traceback), killing the children started so far.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import argparse
 import contextlib
 import os
 import pathlib
+import shlex
 import signal
 import socket
 import subprocess
@@ -23,17 +28,53 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from .__main__ import parser as sim_parser
+from .costmodel import profile
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PY = sys.executable
 ENVOY = str(pathlib.Path(PY).parent / "envoy")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(Exception):
+    """A stop signal arrived."""
+
+
+class StopFlag:
+    """Signal handler that only records the signal; the main loop and every startup wait poll
+    ``check``, so a stop is prompt but never tears through ``Popen`` or the clean-up."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        self.signum = self.signum or signum
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self)
+
+    def check(self) -> None:
+        if self.signum:
+            raise Interrupted(signal.Signals(self.signum).name)
+
+    def sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            self.check()
+            time.sleep(min(0.05, left))
+        self.check()
 
 
 @dataclass
 class Children:
     run_dir: pathlib.Path
+    flag: StopFlag = field(default_factory=StopFlag)
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        self.flag.check()
         log = open(self.run_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
         proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append((name, proc))
@@ -63,10 +104,11 @@ class Children:
 def wait_port(port: int, children: Children, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        children.flag.check()
         children.check()
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
             return
-        time.sleep(0.1)
+        children.flag.sleep(0.1)
     raise TimeoutError(f"port {port} did not open within {timeout:.0f}s")
 
 
@@ -116,14 +158,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--admin-port", type=int, default=9901)
     p.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
     p.add_argument(
-        "--sim-args", default="", help="extra arguments for every replica, e.g. '--profile h100-llama3-8b'"
+        "--sim-args",
+        default="",
+        help="extra arguments for every replica (python -m replica.sim), e.g. "
+        "'--profile h100-llama-3.1-8b --time-scale 0.1'",
     )
     p.add_argument("--run-dir", default=str(ROOT / ".run"), help="logs and generated configs")
     p.add_argument("--status-interval", type=float, default=1.0)
     p.add_argument(
         "--once", action="store_true", help="print one status block and keep running without redraws"
     )
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    try:  # a misspelt replica flag or profile fails here, before anything starts
+        sim = sim_parser().parse_args(["--port", "0", *shlex.split(a.sim_args)])
+        profile(sim.profile)
+    except ValueError as exc:
+        p.error(f"--sim-args: {exc}")
+    return a
 
 
 def start(args: argparse.Namespace, children: Children) -> list[int]:
@@ -131,7 +182,16 @@ def start(args: argparse.Namespace, children: Children) -> list[int]:
     for i, port in enumerate(ports):
         children.start(
             f"replica-{i}",
-            [PY, "-m", "replica.sim", "--port", str(port), "--model", args.model, *args.sim_args.split()],
+            [
+                PY,
+                "-m",
+                "replica.sim",
+                "--port",
+                str(port),
+                "--model",
+                args.model,
+                *shlex.split(args.sim_args),
+            ],
         )
     eps = ",".join(f"127.0.0.1:{p}" for p in ports)
     children.start(
@@ -155,7 +215,8 @@ def start(args: argparse.Namespace, children: Children) -> list[int]:
         ],
     )
     cfg = children.run_dir / "envoy.yaml"
-    subprocess.run(
+    children.flag.check()
+    render = subprocess.run(
         [
             PY,
             str(ROOT / "deploy/envoy/render.py"),
@@ -172,8 +233,11 @@ def start(args: argparse.Namespace, children: Children) -> list[int]:
             "-o",
             str(cfg),
         ],
-        check=True,
+        capture_output=True,
+        start_new_session=True,  # a Ctrl-C is ours to handle, not a traceback of the renderer's
     )
+    if render.returncode != 0:
+        raise RuntimeError(f"rendering the Envoy config failed:\n{render.stderr.decode(errors='replace')}")
     children.start("envoy", [ENVOY, "-c", str(cfg), "-l", "warning", "--base-id", str(args.port)])
     for port in [*ports, args.metrics_port, args.picker_port, args.port]:
         wait_port(port, children)
@@ -197,21 +261,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run_dir = pathlib.Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    children = Children(run_dir)
-    stopping = False
-
-    def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    flag = StopFlag()
+    flag.install()
+    children = Children(run_dir, flag)
+    up = False
     try:
         ports = start(args, children)
+        up = True
         print(banner(args, ports), flush=True)
         tty = sys.stdout.isatty() and not args.once
         drawn = False
-        while not stopping:
+        while True:
             children.check()
             lines = [f"  replica :{p}  {replica_status(p)}" for p in ports]
             if tty and drawn:
@@ -220,14 +280,24 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.write("\n".join(f"{ln}\x1b[K" if tty else ln for ln in lines) + "\n")
                 sys.stdout.flush()
                 drawn = True
-            time.sleep(args.status_interval)
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"\nstack failed: {exc}", file=sys.stderr)
+            flag.sleep(args.status_interval)
+    except Interrupted as exc:
+        _say(f"\n{exc}{'' if up else ' during startup'}: stopping.")
+        return 0
+    except (RuntimeError, OSError) as exc:  # OSError: also the terminal gone under a redraw (SIGHUP)
+        if isinstance(exc, OSError) and not isinstance(exc, TimeoutError) and flag.signum:
+            return 0
+        _say(f"\nstack failed: {exc}", err=True)
         return 1
     finally:
         children.stop()
-        print("\nstopped: envoy, picker and replicas are down.", flush=True)
-    return 0
+        _say("stopped: envoy, picker and replicas are down.")
+
+
+def _say(text: str, err: bool = False) -> None:
+    """Print, unless the terminal is gone (after SIGHUP): nothing may stop the clean-up."""
+    with contextlib.suppress(OSError, ValueError):
+        print(text, file=sys.stderr if err else sys.stdout, flush=True)
 
 
 if __name__ == "__main__":

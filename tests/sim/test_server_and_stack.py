@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
+import select
 import signal
 import socket
 import subprocess
@@ -69,23 +71,79 @@ def _closed(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-@pytest.mark.envoy
-def test_make_run_serves_through_envoy_and_stops_cleanly() -> None:
+def _proc_table() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, process group), from /proc."""
+    out = {}
+    for d in pathlib.Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+            out[int(d.name)] = (int(fields[1]), int(fields[2]))
+    return out
+
+
+def _descendants(pid: int) -> dict[int, int]:
+    """Every live descendant of ``pid``: pid -> its process group."""
+    table, found, frontier = _proc_table(), {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, pgid) in table.items():
+            if ppid == parent and child not in found:
+                found[child] = pgid
+                frontier.append(child)
+    return found
+
+
+def _child_groups(pid: int, want: int, timeout: float = 30.0) -> dict[int, int]:
+    """The stack's children in their own process groups (session leaders), once ``want`` exist."""
+    deadline = time.monotonic() + timeout
+    while True:
+        groups = {p: g for p, g in _descendants(pid).items() if p == g}
+        if len(groups) >= want or time.monotonic() > deadline:
+            return groups
+        time.sleep(0.1)
+
+
+def _assert_gone(groups: dict[int, int]) -> None:
+    """No process is left in any of the children's process groups (nothing orphaned)."""
+    left = []
+    for pgid in groups.values():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            continue
+        left.append(pgid)
+    assert not left, f"process groups still alive: {left}"
+
+
+def _stack_args(replicas: int) -> tuple[dict[str, int], int, list[str]]:
     ports = {k: free_port() for k in ("port", "picker-port", "metrics-port", "admin-port")}
     base = free_port()
-    while not _closed(base + 1):
+    while not all(_closed(base + i) for i in range(1, replicas)):
         base = free_port()
-    args = " ".join(f"--{k} {v}" for k, v in ports.items()) + f" --base-port {base} --once"
-    args += " --sim-args '--profile cpu-test'"
+    args = [f"--{k}={v}" for k, v in ports.items()] + [f"--base-port={base}", "--once"]
+    return ports, base, args
+
+
+@pytest.mark.envoy
+def test_make_run_serves_through_envoy_and_stops_cleanly() -> None:
+    ports, base, args = _stack_args(2)
+    args.append("--sim-args='--profile cpu-test'")
     proc = subprocess.Popen(
-        ["make", "-s", "run", "REPLICAS=2", f"RUN_ARGS={args}"],
+        ["make", "-s", "run", "REPLICAS=2", f"RUN_ARGS={' '.join(args)}"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    groups: dict[int, int] = {}
     try:
         wait_port(ports["port"], timeout=90, proc=proc)
+        groups = _child_groups(proc.pid, 4)
+        assert len(groups) == 4, f"2 replicas, the picker and Envoy, each in its own group: {groups}"
         deadline = time.monotonic() + 30
         while (
             res := post_json(
@@ -97,11 +155,115 @@ def test_make_run_serves_through_envoy_and_stops_cleanly() -> None:
             time.sleep(0.3)
         assert res[1]["usage"]["completion_tokens"] == 2
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals make's whole group
         out, _ = proc.communicate(timeout=30)
     text = out.decode()
     # Ctrl-C reaches make too, which then reports the interrupt itself; the stack must have stopped.
     assert proc.returncode in (0, -signal.SIGINT, 2, 130), text
     assert "curl -s http://127.0.0.1:" in text and "stopped" in text
+    assert "Traceback" not in text, text
+    _assert_gone(groups)
     for port in [*ports.values(), base, base + 1]:
         assert _closed(port), f"port {port} still open after Ctrl-C"
+
+
+@pytest.mark.envoy
+def test_stack_stops_its_children_on_sighup() -> None:
+    """Closing the terminal sends SIGHUP to the stack only (the children have their own
+    sessions); it must stop them as Ctrl-C does rather than die and orphan them."""
+    ports, base, args = _stack_args(1)
+    proc = subprocess.Popen(
+        [PY, "-m", "replica.sim.stack", "--replicas=1", "--sim-args=--profile cpu-test", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        head = _read_until(proc, b"stack is up", 90)
+        groups = _child_groups(proc.pid, 3)
+        assert len(groups) == 3, groups
+        proc.send_signal(signal.SIGHUP)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = (head + out).decode()
+    assert proc.returncode == 0, text
+    assert "SIGHUP: stopping" in text and "stopped" in text and "Traceback" not in text, text
+    _assert_gone(groups)
+    for port in [*ports.values(), base]:
+        assert _closed(port), f"port {port} still open after SIGHUP"
+
+
+@pytest.mark.envoy
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_during_startup_stops_promptly_without_traceback(sig: signal.Signals) -> None:
+    """The replicas bind 127.0.0.2, so the stack waits for 127.0.0.1 in vain (60 s); a signal
+    then must stop it within seconds, with no traceback, killing what was started."""
+    _, base, args = _stack_args(2)
+    proc = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "replica.sim.stack",
+            "--replicas=2",
+            "--sim-args=--profile cpu-test --host 127.0.0.2",
+            *args,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not _open(("127.0.0.2", base)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the replica never bound"
+            time.sleep(0.1)
+        groups = _child_groups(proc.pid, 4)
+        os.killpg(proc.pid, sig)  # as a terminal does: the stack's group, not the children's
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.decode()
+    assert proc.returncode == 0 and took < 12, (took, text)
+    assert f"{sig.name} during startup: stopping" in text, text
+    assert "Traceback" not in text and "stack is up" not in text, text
+    _assert_gone(groups)
+
+
+def test_sim_args_are_checked_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    from replica.sim import stack
+
+    with pytest.raises(SystemExit) as e:
+        stack.parse_args(["--sim-args", "--profile h100-llama3-8b"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown profile 'h100-llama3-8b'" in err and "h100-llama-3.1-8b" in err
+    assert stack.parse_args(["--sim-args", "--profile h100-llama-3.1-8b --time-scale 0.1"]).replicas == 4
+    with pytest.raises(SystemExit):
+        stack.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "--profile h100-llama-3.1-8b" in out and "llama3-8b" not in out, "the help names a real profile"
+
+
+def _read_until(proc: subprocess.Popen[bytes], marker: bytes, timeout: float) -> bytes:
+    """The process's output up to and including ``marker`` (it keeps running)."""
+    assert proc.stdout is not None
+    fd, buf = proc.stdout.fileno(), b""
+    deadline = time.monotonic() + timeout
+    while marker not in buf:
+        left = deadline - time.monotonic()
+        assert left > 0 and proc.poll() is None, buf.decode(errors="replace")
+        if select.select([fd], [], [], min(left, 0.5))[0]:
+            buf += os.read(fd, 65536)
+    return buf
+
+
+def _open(addr: tuple[str, int]) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(addr) == 0
