@@ -52,6 +52,11 @@ def parser() -> argparse.ArgumentParser:
         help="adapters served besides --model: NAME or NAME=PATH (as vLLM)",
     )
     p.add_argument("--max-loras", type=int, default=1)
+    p.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="usage in every stream, final and per chunk, whatever stream_options says (as vLLM)",
+    )
     return p
 
 
@@ -86,7 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         core = EngineCore(prof, engine_config(a), events.publish if events else None)
         engine = AsyncEngine(core)
         try:
-            await serve(make_app(engine, a.model, loras, a.max_loras), engine, a.host, a.port)
+            await serve(
+                make_app(engine, a.model, loras, a.max_loras, a.enable_force_include_usage),
+                engine,
+                a.host,
+                a.port,
+            )
         finally:
             if events is not None:
                 events.close()

@@ -4,6 +4,11 @@ Routes: POST /v1/completions and /v1/chat/completions (SSE when ``stream``), GET
 GET /health, GET /metrics, POST /reset_prefix_cache. ``usage.prompt_tokens_details.cached_tokens``
 is the request's prefix-cache hit. A body may carry ``cache_salt``; ``model`` may name a served
 LoRA adapter. ``max_tokens`` / ``max_completion_tokens`` (default 16) set the output length.
+
+Streams follow vLLM 0.32 (``serve/utils/api_utils.should_include_usage``): the final usage chunk
+(``choices: []``) is sent only when ``stream_options.include_usage`` is true, and every chunk
+carries running usage when ``continuous_usage_stats`` is true too; ``--enable-force-include-usage``
+turns both on for every stream. ``stream_options`` without ``stream`` is a 400, as in vLLM.
 """
 
 from __future__ import annotations
@@ -49,8 +54,28 @@ def _prompt(doc: dict[str, Any]) -> list[int]:
 
 
 class Api:
-    def __init__(self, engine: AsyncEngine, model: str, loras: tuple[str, ...], metrics: Metrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model: str,
+        loras: tuple[str, ...],
+        metrics: Metrics,
+        force_include_usage: bool = False,
+    ) -> None:
         self.engine, self.model, self.loras, self.metrics = engine, model, loras, metrics
+        self.force_include_usage = force_include_usage
+
+    def usage_options(self, doc: dict[str, Any]) -> tuple[bool, bool]:
+        """(final usage chunk, usage on every chunk), as vLLM's ``should_include_usage``."""
+        opts = doc.get("stream_options")
+        if opts and not doc.get("stream"):
+            raise BadRequest("Stream options can only be defined when `stream=True`.")
+        if self.force_include_usage:
+            return True, True
+        if opts is not None and not isinstance(opts, dict):
+            raise BadRequest("stream_options must be an object")
+        include = bool((opts or {}).get("include_usage"))
+        return include, include and bool((opts or {}).get("continuous_usage_stats"))
 
     def parse(self, doc: Any) -> Request:
         if not isinstance(doc, dict):
@@ -74,6 +99,7 @@ class Api:
         try:
             doc = json.loads(await http.read())
             req = self.parse(doc)
+            include_usage, continuous_usage = self.usage_options(doc)
         except ValueError as exc:
             return web.json_response({"error": {"message": f"bad JSON: {exc}"}}, status=400)
         except BadRequest as exc:
@@ -91,9 +117,9 @@ class Api:
             sent = 0
             while sent < req.max_tokens:
                 n = await q.get()
-                await resp.write(reply.sse(reply.chunk(sent, n)))
+                await resp.write(reply.sse(reply.chunk(sent, n, continuous_usage)))
                 sent = n
-            if (doc.get("stream_options") or {}).get("include_usage", True):
+            if include_usage:
                 await resp.write(reply.sse(reply.usage_chunk()))
             await resp.write(b"data: [DONE]\n\n")
             self._observe(req, reply.t0)
@@ -142,9 +168,14 @@ class Reply:
         text = tokenizer.decode_outputs(0, self.req.num_output)
         return {**self.head(), "choices": [self.choice(text, True)], "usage": self.usage()}
 
-    def chunk(self, start: int, stop: int) -> dict[str, Any]:
+    def chunk(self, start: int, stop: int, usage: bool = False) -> dict[str, Any]:
+        """Outputs ``start:stop``; with ``usage``, the running counts (vLLM's continuous usage)."""
         done = stop >= self.req.max_tokens
-        return {**self.head(".chunk"), "choices": [self.choice(tokenizer.decode_outputs(start, stop), done)]}
+        doc = {**self.head(".chunk"), "choices": [self.choice(tokenizer.decode_outputs(start, stop), done)]}
+        if usage:
+            p = len(self.req.prompt)
+            doc["usage"] = {"prompt_tokens": p, "completion_tokens": stop, "total_tokens": p + stop}
+        return doc
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self.head(".chunk"), "choices": [], "usage": self.usage()}
@@ -155,9 +186,13 @@ class Reply:
 
 
 def make_app(
-    engine: AsyncEngine, model: str, loras: tuple[str, ...] = (), max_loras: int = 1
+    engine: AsyncEngine,
+    model: str,
+    loras: tuple[str, ...] = (),
+    max_loras: int = 1,
+    force_include_usage: bool = False,
 ) -> web.Application:
-    api = Api(engine, model, loras, Metrics(engine.core, model, loras, max_loras))
+    api = Api(engine, model, loras, Metrics(engine.core, model, loras, max_loras), force_include_usage)
 
     async def models(_: web.Request) -> web.Response:
         data = [{"id": m, "object": "model", "owned_by": "kvpick-sim"} for m in (model, *loras)]

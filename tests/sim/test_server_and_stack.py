@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import time
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -59,11 +60,71 @@ def test_streaming_chat_and_errors(sim: str) -> None:
     events = [e[6:] for e in raw.decode().split("\n\n") if e]
     assert status == 200 and events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]] == [None, None, "length"]
-    assert chunks[-1]["usage"]["completion_tokens"] == 3
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert not any("usage" in c for c in chunks), "no stream_options.include_usage: no usage (vLLM)"
     assert post_json(sim + "/v1/completions", {"model": "nope", "prompt": "x"})[0] == 404
     assert http("POST", sim + "/v1/completions", b"{bad")[0] == 400
     assert post_json(sim + "/reset_prefix_cache", {})[0] == 200
+
+
+def _stream(url: str, doc: dict[str, object]) -> list[dict[str, Any]]:
+    status, raw, _ = http("POST", url, json.dumps(doc).encode())
+    assert status == 200, raw
+    events = [e.removeprefix("data: ") for e in raw.decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_stream_usage_follows_stream_options_as_vllm(sim: str) -> None:
+    url = sim + "/v1/completions"
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    plain = _stream(url, body)
+    assert len(plain) == 3 and all(c["choices"] and "usage" not in c for c in plain)
+    assert len(_stream(url, {**body, "stream_options": {"include_usage": False}})) == 3
+    final = _stream(url, {**body, "stream_options": {"include_usage": True}})
+    assert [len(c["choices"]) for c in final] == [1, 1, 1, 0], "one usage chunk, last, with no choices"
+    assert all("usage" not in c for c in final[:-1])
+    usage = final[-1]["usage"]
+    assert usage["prompt_tokens"] == 145 and usage["completion_tokens"] == 3 and usage["total_tokens"] == 148
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 144, "the earlier streams cached the prompt"
+    running = _stream(
+        url, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    )
+    assert [c["usage"]["completion_tokens"] for c in running] == [1, 2, 3, 3]
+    assert all(c["usage"]["prompt_tokens"] == 145 for c in running)
+    alone = _stream(url, {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in c for c in alone), "continuous usage needs include_usage (vLLM)"
+    status, err = post_json(url, {**body, "stream": False, "stream_options": {"include_usage": True}})
+    assert status == 400 and "Stream options can only be defined when `stream=True`." in str(err)
+
+
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        None,
+        {},
+        {"include_usage": False},
+        {"include_usage": True},
+        {"include_usage": None},
+        {"continuous_usage_stats": True},
+        {"include_usage": True, "continuous_usage_stats": True},
+    ],
+)
+def test_usage_options_equal_vllm_should_include_usage(
+    opts: dict[str, bool | None] | None, force: bool
+) -> None:
+    """The simulator's decision is vLLM's own ``should_include_usage`` on the same options."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.generate.base.protocol import StreamOptions
+    from vllm.entrypoints.serve.utils.api_utils import should_include_usage
+
+    from replica.sim.server import Api
+
+    api = Api(None, MODEL, (), None, force_include_usage=force)  # type: ignore[arg-type]
+    doc: dict[str, Any] = {"stream": True} if opts is None else {"stream": True, "stream_options": opts}
+    want = should_include_usage(None if opts is None else StreamOptions(**opts), force)
+    assert api.usage_options(doc) == want
 
 
 def _closed(port: int) -> bool:
