@@ -47,6 +47,9 @@ def make_app(port: int) -> web.Application:
                 await resp.write(f"data: {json.dumps({'i': i, **info})}\n\n".encode())
                 if doc.get("reset_after") == i and req.transport is not None:
                     state["resets"] += 1
+                    # Let Envoy read the events first: a reset discards what the peer has not read
+                    # yet, and Envoy would then answer 503 (reset before headers) instead.
+                    await asyncio.sleep(0.1)
                     req.transport.abort()  # upstream reset mid-stream
                     return resp
                 if delay:
