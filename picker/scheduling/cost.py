@@ -12,8 +12,14 @@
   sample cannot herd cold traffic); ``default_rate`` until anything is observed.
 - ``running(e) * decode_step_s``: running decodes share each engine step with the prefill.
 
-The score is ``min_ttft / ttft(e)``: 1 for the cheapest endpoint, smaller for the rest, so the
-max-score picker picks the minimum estimate. :meth:`estimates` is what the explain API shows.
+The score ranks ``cost(e) = ttft(e) + miss_penalty * uncached(e) / rate(e)`` as
+``min_cost / cost(e)``: 1 for the cheapest endpoint, smaller for the rest, so the max-score
+picker picks the minimum. The penalty charges a miss for what the request's own TTFT leaves
+out: its uncached prefill is work that every later request queued on ``e`` waits behind, and it
+writes a second copy of a prefix another endpoint may already hold. Without it (0), a hot
+prefix's home that is busy with one cold prefill loses a near-tie to an idle endpoint, the
+prefix is computed twice and the hit rate drops (README, "Benchmarks", has the measured effect).
+:meth:`estimates` is the plain TTFT estimate; the explain API shows it next to the score.
 """
 
 from __future__ import annotations
@@ -34,19 +40,26 @@ class CostScorer:
     tokens_per_waiting: float = 512.0
     decode_step_s: float = 0.0005
     overhead_s: float = 0.005
+    miss_penalty: float = 1.0
+    """Extra charge per uncached token, in units of its own prefill time (0: rank by TTFT alone)."""
 
     def __post_init__(self) -> None:
-        if self.min_rate_samples < 1 or self.default_rate <= 0:
+        if self.min_rate_samples < 1 or self.default_rate <= 0 or self.miss_penalty < 0:
             raise ValueError(
-                f"cost: min_rate_samples must be >= 1 and default_rate > 0, got "
-                f"{self.min_rate_samples} and {self.default_rate}"
+                f"cost: min_rate_samples must be >= 1, default_rate > 0 and miss_penalty >= 0, got "
+                f"{self.min_rate_samples}, {self.default_rate} and {self.miss_penalty}"
             )
 
     def estimate(self, cycle: Cycle, e: EndpointState) -> float:
         return self.estimates(cycle, (e,))[e.key]
 
     def estimates(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
-        """The formula above for every endpoint; one loop with locals (it runs per request)."""
+        """``ttft(e)`` for every endpoint."""
+        return self._costs(cycle, endpoints, 0.0)
+
+    def _costs(self, cycle: Cycle, endpoints: Sequence[EndpointState], penalty: float) -> dict[str, float]:
+        """``ttft(e) + penalty * uncached(e) / rate(e)``; one loop with locals (it runs per request)."""
+        miss = 1.0 + penalty
         pool_rate = cycle.prefill_rate if cycle.prefill_rate > 0 else self.default_rate
         min_samples = self.min_rate_samples
         prompt, block_tokens, matches = cycle.prompt_tokens, cycle.block_tokens, cycle.matches
@@ -59,10 +72,10 @@ class CostScorer:
             pending, waiting = e.pending_prefill_tokens, m.waiting * per_waiting
             queued = pending if pending > waiting else waiting  # max() without the call overhead
             running = m.running if m.running > e.in_flight_requests else e.in_flight_requests
-            out[e.key] = (queued + uncached) / rate + running * step + overhead
+            out[e.key] = (queued + miss * uncached) / rate + running * step + overhead
         return out
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
-        est = self.estimates(cycle, endpoints)
+        est = self._costs(cycle, endpoints, self.miss_penalty)
         best = min(est.values())
         return {k: best / v for k, v in est.items()}

@@ -51,10 +51,16 @@ class LoadGuardFilter:
     whichever is larger) is at most ``max(min_load * rel, min_load + abs_slack)``, where
     ``min_load`` is the least-loaded candidate's. The hot endpoint stays eligible until it is
     clearly busier than the rest; then the prefix spills to another endpoint, which caches it too.
+
+    It is a backstop, not the balancer: the cost scorer already prices queued prefill. The load
+    counted here is mostly running decodes, which swing by a dozen per replica under ordinary
+    traffic; with ``abs_slack`` 8 the guard tripped on those swings and split prefixes that
+    needed no split (cluster mode, shared-prefix workload at 80% load: hit rate 0.849 against
+    0.879 with 32, TTFT p90 0.075 s against 0.020 s). SGLang's router and vllm-router use 64.
     """
 
     rel: float = 1.5
-    abs_slack: int = 8
+    abs_slack: int = 32
 
     @staticmethod
     def load(e: EndpointState) -> float:

@@ -13,6 +13,7 @@ from picker.endpoints.types import Endpoint, EndpointMetrics, Health
 from picker.errors import NoEndpoints
 from picker.request import InferenceRequest
 from picker.router import Router, Ticket
+from picker.scheduling.cost import CostScorer
 
 
 class Clock:
@@ -189,16 +190,16 @@ def _decoding(router: Router, r: InferenceRequest) -> Ticket:
 
 def test_hot_prefix_spills_under_cost_once_load_builds_up() -> None:
     """One hot prefix, requests held in flight (decoding): the cost policy keeps it on the endpoint
-    that has it until the load guard trips (9 in flight vs 0: limit max(0 * 1.5, 0 + 8) = 8), then
-    the prefix spills to the second endpoint, which caches it too and shares the load."""
+    that has it until the load guard trips (33 in flight vs 0: limit max(0 * 1.5, 0 + 32) = 32),
+    then the prefix spills to the second endpoint, which caches it too and shares the load."""
     router, pool, _ = make(2, policy="cost")
     hot = "You are a helpful assistant. " * 400
-    tickets = [_decoding(router, req(hot + f" question {i}")) for i in range(40)]
+    tickets = [_decoding(router, req(hot + f" question {i}")) for i in range(100)]
     targets = [t.state.key for t in tickets]
-    assert len(set(targets[:9])) == 1, f"the first nine share one endpoint: {targets[:9]}"
-    assert targets[9] != targets[0], "the tenth spills"
+    assert len(set(targets[:33])) == 1, f"the first 33 share one endpoint: {targets[:33]}"
+    assert targets[33] != targets[0], "the 34th spills"
     counts = Counter(targets)
-    assert len(counts) == 2 and min(counts.values()) >= 15, f"both share the hot prefix: {counts}"
+    assert len(counts) == 2 and min(counts.values()) >= 30, f"both share the hot prefix: {counts}"
     for t in tickets:
         router.finish(t)
     assert all(s.in_flight_requests == 0 for s in pool)
@@ -206,12 +207,19 @@ def test_hot_prefix_spills_under_cost_once_load_builds_up() -> None:
 
 def test_in_flight_prefill_counts_as_queued_work() -> None:
     """A hot prompt whose first prefill has not finished is not cached yet: waiting behind it costs
-    as much as computing it elsewhere, so the cost policy does not pile onto the first endpoint."""
-    router, _, _ = make(2, policy="cost")
+    about as much time as computing it elsewhere. Ranked by TTFT alone (miss_penalty 0) the second
+    request goes elsewhere; with the default penalty, a second copy of the prefix elsewhere is
+    charged too, so it queues behind the first on the endpoint that will hold it."""
     hot = "You are a helpful assistant. " * 400
-    first = router.start(router.route(req(hot + "0")))
-    second = router.start(router.route(req(hot + "1")))
-    assert first.state is not second.state and second.matched_blocks == 0
+    for penalty, same in ((0.0, False), (1.0, True)):
+        router, _, _ = make(2, policy="cost")
+        cost = router.profile.scorer("cost")
+        assert isinstance(cost, CostScorer)
+        cost.miss_penalty = penalty
+        first = router.start(router.route(req(hot + "0")))
+        second = router.start(router.route(req(hot + "1")))
+        assert (first.state is second.state) == same, f"miss_penalty {penalty}"
+        assert second.matched_blocks == (first.matched_blocks + len(hot) // 64 if same else 0)
 
 
 def test_hot_prefix_sticks_when_requests_complete() -> None:

@@ -92,9 +92,9 @@ def test_not_saturated_sheds_with_429_when_all_saturated() -> None:
 @pytest.mark.parametrize(
     ("loads", "kept"),
     [
-        ([0, 8, 9], [1, 2]),  # limit max(0 * 1.5, 0 + 8) = 8
-        ([20, 30, 31], [1, 2]),  # limit max(30, 28) = 30
-        ([100, 150, 151], [1, 2]),  # limit max(150, 108) = 150
+        ([0, 32, 33], [1, 2]),  # limit max(0 * 1.5, 0 + 32) = 32
+        ([20, 52, 53], [1, 2]),  # limit max(30, 52) = 52
+        ([100, 150, 151], [1, 2]),  # limit max(150, 132) = 150
         ([5, 5, 5], [1, 2, 3]),
     ],
 )
@@ -104,7 +104,7 @@ def test_load_guard_filter_by_in_flight(loads: list[int], kept: list[int]) -> No
 
 
 def test_load_guard_uses_scraped_load_when_larger() -> None:
-    eps = [ep(1, running=3, waiting=20), ep(2, in_flight_requests=2)]
+    eps = [ep(1, running=3, waiting=40), ep(2, in_flight_requests=2)]
     assert ports(LoadGuardFilter().filter(cycle(), eps)) == [2]
     single = [ep(1, waiting=1000)]
     assert LoadGuardFilter().filter(cycle(), single) == single, "never filters the last candidate"
@@ -178,34 +178,58 @@ A, B = "10.0.0.1:1", "10.0.0.1:2"
 HOT = {A: 256}
 
 
-def _cost_pick(a: EndpointState, b: EndpointState, rate: float = 0.0) -> int:
+def _cost_pick(
+    a: EndpointState, b: EndpointState, rate: float = 0.0, scorer: CostScorer | None = None
+) -> int:
     cyc = cycle(HOT, n_blocks=512, prompt_tokens=8192, prefill_rate=rate)
-    scores = CostScorer().score(cyc, [a, b])
+    scores = (scorer or CostScorer()).score(cyc, [a, b])
     assert max(scores.values()) == 1.0
     return 1 if scores[A] > scores[B] else 2
 
 
+# A holds 4,096 of the 8,192 prompt tokens. With the default miss_penalty 1 each uncached token is
+# charged twice, so A's saving is 2 x 4,096 = 8,192 tokens of prefill (0.8192 s at 10,000 tok/s).
 @pytest.mark.parametrize(
     ("a_state", "winner"),
     [
         ({}, 1),
-        ({"pending_prefill_tokens": 4095}, 1),
-        ({"pending_prefill_tokens": 4097}, 2),
-        ({"waiting": 7}, 1),
-        ({"waiting": 9}, 2),
-        ({"running": 8}, 1),  # the decode term: 8 * 0.0005 = 0.004 s < the 0.4096 s prefill saved
-        ({"in_flight_requests": 818}, 1),  # 818 * 0.0005 = 0.409 s < 0.4096 s
-        ({"in_flight_requests": 820}, 2),  # 0.410 s > 0.4096 s
+        ({"pending_prefill_tokens": 8191}, 1),
+        ({"pending_prefill_tokens": 8193}, 2),
+        ({"waiting": 15}, 1),  # 15 * 512 = 7,680 queued tokens
+        ({"waiting": 17}, 2),  # 8,704
+        ({"running": 8}, 1),  # the decode term: 8 * 0.0005 = 0.004 s < the 0.8192 s saved
+        ({"in_flight_requests": 1638}, 1),  # 1638 * 0.0005 = 0.819 s < 0.8192 s
+        ({"in_flight_requests": 1640}, 2),  # 0.820 s > 0.8192 s
     ],
 )
 def test_cost_crossover(a_state: dict[str, Any], winner: int) -> None:
     assert _cost_pick(ep(1, **a_state), ep(2)) == winner
 
 
-@pytest.mark.parametrize(("rate", "pending", "winner"), [(1000.0, 4095, 1), (1000.0, 4097, 2)])
+@pytest.mark.parametrize(("pending", "winner"), [(4095, 1), (4097, 2)])
+def test_cost_without_miss_penalty_ranks_by_ttft_alone(pending: int, winner: int) -> None:
+    """miss_penalty 0: the crossover is the plain TTFT tie, q_A = 4,096 tokens."""
+    scorer = CostScorer(miss_penalty=0.0)
+    assert _cost_pick(ep(1, pending_prefill_tokens=pending), ep(2), scorer=scorer) == winner
+
+
+def test_miss_penalty_changes_the_score_not_the_estimate() -> None:
+    """The explain API's TTFT estimate stays the plain estimate whatever the penalty."""
+    cyc = cycle(HOT, n_blocks=512, prompt_tokens=8192)
+    a, b = ep(1), ep(2)
+    assert CostScorer(miss_penalty=3.0).estimates(cyc, [a, b]) == CostScorer(miss_penalty=0.0).estimates(
+        cyc, [a, b]
+    )
+    assert (
+        CostScorer(miss_penalty=3.0).score(cyc, [a, b])[B]
+        < CostScorer(miss_penalty=0.0).score(cyc, [a, b])[B]
+    )
+
+
+@pytest.mark.parametrize(("rate", "pending", "winner"), [(1000.0, 8191, 1), (1000.0, 8193, 2)])
 def test_cost_crossover_does_not_depend_on_the_rate(rate: float, pending: int, winner: int) -> None:
     """Queued and uncached work are divided by the same pool-wide rate: the crossover stays at
-    q_A = 4096 tokens whatever the rate."""
+    q_A = 8,192 tokens whatever the rate."""
     assert _cost_pick(ep(1, pending_prefill_tokens=pending), ep(2), rate) == winner
 
 
@@ -240,6 +264,8 @@ def test_cost_rate_fallbacks(samples: int, pool_rate: float, rate_used: float) -
 def test_cost_rejects_bad_params() -> None:
     with pytest.raises(ValueError, match="min_rate_samples"):
         make_scorer("cost", {"min_rate_samples": 0})
+    with pytest.raises(ValueError, match="miss_penalty"):
+        make_scorer("cost", {"miss_penalty": -1})
 
 
 def test_cost_estimate_by_hand() -> None:
