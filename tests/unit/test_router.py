@@ -101,6 +101,9 @@ def test_first_token_feeds_the_prefill_rate_ewma() -> None:
 
 def test_each_endpoints_observed_rate_reaches_its_cost_estimate() -> None:
     router, pool, clock = make(2)
+    cost = router.profile.scorer("cost")
+    assert isinstance(cost, CostScorer)
+    cost.per_endpoint_rate = True
     slow, fast = list(pool)
     for state, seconds in ((slow, 1.0), (fast, 0.25)):
         for _ in range(5):  # CostScorer.min_rate_samples

@@ -239,26 +239,32 @@ def test_cost_uses_each_endpoints_own_observed_rate() -> None:
     cyc = cycle({}, n_blocks=512, prompt_tokens=8192, prefill_rate=2000.0)
     slow = ep(1, prefill_rate=1024.0, prefill_samples=5)
     fast = ep(2, prefill_rate=4096.0, prefill_samples=9)
-    est = CostScorer().estimates(cyc, [slow, fast])
+    scorer = CostScorer(per_endpoint_rate=True)
+    est = scorer.estimates(cyc, [slow, fast])
     assert est[A] == pytest.approx(8192 / 1024 + 0.005)
     assert est[B] == pytest.approx(8192 / 4096 + 0.005)
     assert est[A] > est[B]
-    scores = CostScorer().score(cyc, [slow, fast])
+    scores = scorer.score(cyc, [slow, fast])
     assert scores[B] == 1.0 > scores[A]
+    pooled = CostScorer().estimates(cyc, [slow, fast])  # the default: one pooled rate for all
+    assert pooled[A] == pooled[B] == pytest.approx(8192 / 2000 + 0.005)
 
 
 @pytest.mark.parametrize(
-    ("samples", "pool_rate", "rate_used"),
+    ("per_endpoint", "samples", "pool_rate", "rate_used"),
     [
-        (4, 2000.0, 2000.0),  # too few observations of its own: the pool-wide rate
-        (0, 0.0, 10_000.0),  # nothing observed anywhere: the default
-        (5, 0.0, 1024.0),  # enough of its own
+        (True, 4, 2000.0, 2000.0),  # too few observations of its own: the pool-wide rate
+        (True, 0, 0.0, 10_000.0),  # nothing observed anywhere: the default
+        (True, 5, 0.0, 1024.0),  # enough of its own
+        (False, 5, 2000.0, 2000.0),  # the default ranks everyone on the pooled rate
+        (False, 5, 0.0, 10_000.0),
     ],
 )
-def test_cost_rate_fallbacks(samples: int, pool_rate: float, rate_used: float) -> None:
+def test_cost_rate_fallbacks(per_endpoint: bool, samples: int, pool_rate: float, rate_used: float) -> None:
     cyc = cycle({}, n_blocks=512, prompt_tokens=8192, prefill_rate=pool_rate)
     e = ep(1, prefill_rate=1024.0 if samples else 0.0, prefill_samples=samples)
-    assert CostScorer().estimate(cyc, e) == pytest.approx(8192 / rate_used + 0.005)
+    scorer = CostScorer(per_endpoint_rate=per_endpoint)
+    assert scorer.estimate(cyc, e) == pytest.approx(8192 / rate_used + 0.005)
 
 
 def test_cost_rejects_bad_params() -> None:
