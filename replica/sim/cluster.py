@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from picker.config import RouterConfig
+from picker.config import RouterConfig, load_file
 from picker.endpoints.pool import Pool
 from picker.endpoints.types import Endpoint, Health
 from picker.errors import PickerError
@@ -79,12 +79,13 @@ class Cluster:
         sched: SchedulerConfig | None = None,
         model: str = "meta-llama/Llama-3.1-8B-Instruct",
         seed: int | None = 0,
+        router_cfg: RouterConfig | None = None,
     ) -> None:
         self.now = 0.0
         self.model, self.prof = model, prof
         self.pool = Pool()
         self.pool.set_endpoints(Endpoint(f"10.0.{i // 250}.{i % 250 + 1}", 8000) for i in range(n))
-        cfg_r = RouterConfig(policy=policy)
+        cfg_r = dataclasses.replace(router_cfg or RouterConfig(), policy=policy)
         if seed is not None:
             cfg_r = dataclasses.replace(cfg_r, profiles=seeded_profiles(cfg_r.profiles, seed))
         self.router = Router(cfg_r, self.pool, clock=lambda: self.now)
@@ -210,9 +211,12 @@ def simulate(
     time_scale: float = 1.0,
     sched: SchedulerConfig | None = None,
     seed: int | None = 0,
+    router_cfg: RouterConfig | None = None,
 ) -> Result:
+    """Route ``rows`` over ``n`` engines under ``policy`` (a built-in, or a profile of
+    ``router_cfg``, the picker's own config as ``--config-file`` loads it)."""
     t0 = time.perf_counter()
-    c = Cluster(n, policy, prof, sched=sched, seed=seed)
+    c = Cluster(n, policy, prof, sched=sched, seed=seed, router_cfg=router_cfg)
     c.run(rows, time_scale)
     q = statistics.quantiles(c.ttfts, n=100) if len(c.ttfts) >= 2 else [0.0] * 99
     return Result(
@@ -249,16 +253,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-aware-admission", action="store_true")
     p.add_argument("--dedupe-shared-prefixes", action="store_true")
     p.add_argument("--seed", type=int, default=0, help="seed of the pickers' random tie-breaking")
+    p.add_argument(
+        "--config-file",
+        default=None,
+        help="the picker's YAML config (python -m picker --config-file): its profiles can be named in --policy",
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     rows = trace.read(a.trace, a.limit)
+    router_cfg = load_file(a.config_file) if a.config_file else None
     sched = SchedulerConfig(
         page_aligned=a.page_aligned_prefill,
         cache_aware=a.cache_aware_admission,
         dedupe=a.dedupe_shared_prefixes,
     )
     results = [
-        simulate(rows, a.replicas, pol, profile(a.profile), a.time_scale, sched, a.seed)
+        simulate(rows, a.replicas, pol, profile(a.profile), a.time_scale, sched, a.seed, router_cfg)
         for pol in a.policy.split(",")
     ]
     print(
