@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Render an Envoy config for the kvpick picker (GIE endpoint-picker protocol, DESIGN §3).
 
-    python deploy/envoy/render.py > deploy/envoy/envoy.yaml              # the committed default
+    python deploy/envoy/render.py -o deploy/envoy/envoy.yaml             # the committed default
     python deploy/envoy/render.py --upstream pool --endpoints 127.0.0.1:8001,127.0.0.1:8002 \\
-        --failure-mode open > envoy-pool.yaml
+        -o deploy/envoy/envoy-fallback.yaml                              # committed: fallback retry
 
 Upstreams:
 - ``original-dst`` (default, what GIE gateways do): an ORIGINAL_DST cluster keyed by the
@@ -19,11 +19,6 @@ Both strip a client-sent ``x-gateway-destination-endpoint`` before ext_proc runs
 
 Fail-open defaults to BUFFERED bodies: in FULL_DUPLEX_STREAMED mode Envoy streams body bytes to
 the processor before it learns the processor is unreachable, and then answers 500 even with
-``failure_mode_allow`` (seen with Envoy 1.40). BUFFERED holds the body until the headers are
-answered, so a dead picker is detected first and the request goes on without it.
-
-Fail-open defaults to BUFFERED bodies: in FULL_DUPLEX_STREAMED mode Envoy streams body bytes to
-the processor before it knows the processor is unreachable, and then answers 500 even with
 ``failure_mode_allow`` (seen with Envoy 1.40). BUFFERED holds the body until the headers are
 answered, so a dead picker is detected first and the request goes on without it.
 """

@@ -122,3 +122,24 @@ def test_committed_envoy_config_is_the_default_rendering(tmp_path: pathlib.Path)
         "timeout: 10s",
     ):
         assert needle in text, needle
+
+
+def test_committed_fallback_config_is_the_pool_rendering_for_the_contract_endpoints(
+    tmp_path: pathlib.Path,
+) -> None:
+    """deploy/envoy/envoy-fallback.yaml: the README's pair (picker on 127.0.0.1:8001,8002) with
+    Envoy retrying the picker's next fallback on a connect failure (behaviour tested in
+    test_envoy_failure.py::test_fallback_serves_when_primary_port_is_closed)."""
+    import subprocess
+
+    from tests.support.procs import PY, ROOT
+
+    out = tmp_path / "envoy-fallback.yaml"
+    args = ["--upstream", "pool", "--endpoints", "127.0.0.1:8001,127.0.0.1:8002", "-o", str(out)]
+    subprocess.run([PY, str(ROOT / "deploy/envoy/render.py"), *args], check=True)
+    assert out.read_text() == (ROOT / "deploy/envoy/envoy-fallback.yaml").read_text(), (
+        "deploy/envoy/envoy-fallback.yaml is stale: see deploy/envoy/render.py's docstring"
+    )
+    text = out.read_text()
+    for needle in ("envoy.load_balancing_policies.override_host", "connect-failure", "previous_hosts"):
+        assert needle in text, needle
