@@ -27,22 +27,14 @@ def _lookup_limit(n_tokens: int, block_size: int) -> int:
 
 
 def ideal_hit_rate(seqs: Seqs, block_size: int) -> float:
-    seen: set[int] = set()
-    hit = total = 0
-    for n, hashes in seqs:
-        k = 0
-        for h in hashes[: _lookup_limit(n, block_size)]:
-            if h not in seen:
-                break
-            k += 1
-        hit += k * block_size
-        total += n
-        seen.update(hashes)
-    return hit / total if total else 0.0
+    return lru_hit_rate(seqs, block_size, None)
 
 
-def lru_hit_rate(seqs: Seqs, block_size: int, capacity_blocks: int) -> float:
-    assert capacity_blocks > 0, f"LRU capacity must be positive, got {capacity_blocks}"
+def lru_hit_rate(seqs: Seqs, block_size: int, capacity_blocks: int | None) -> float:
+    """The hit rate of one LRU cache of ``capacity_blocks`` blocks (None: infinite)."""
+    assert capacity_blocks is None or capacity_blocks > 0, (
+        f"LRU capacity must be positive, got {capacity_blocks}"
+    )
     lru: OrderedDict[int, None] = OrderedDict()
     hit = total = 0
     for n, hashes in seqs:
@@ -56,6 +48,6 @@ def lru_hit_rate(seqs: Seqs, block_size: int, capacity_blocks: int) -> float:
         for h in hashes:
             lru[h] = None
             lru.move_to_end(h)
-        while len(lru) > capacity_blocks:
+        while capacity_blocks is not None and len(lru) > capacity_blocks:
             lru.popitem(last=False)
     return hit / total if total else 0.0
