@@ -140,7 +140,7 @@ class Router:
             a = self.cfg.rate_ewma_alpha
             state.prefill_rate = _ewma(state.prefill_rate, observed, a)
             state.prefill_samples += 1
-            self.prefill_rate = _ewma(self.prefill_rate, observed, a)  # until the endpoint has its own
+            self.prefill_rate = _ewma(self.prefill_rate, observed, a)  # the pooled rate cost ranks on
 
     def finish(self, ticket: Ticket) -> None:
         if ticket.done:
