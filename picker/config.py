@@ -5,7 +5,7 @@ Example ``--config-file``::
     policy: cost
     hashing: {block_size: 64, max_blocks: 2048}
     index: {capacity_blocks: 31250, segments: 4, chars_per_token: 4.0, max_derived_capacity_blocks: 1000000}
-    fallbacks: 2
+    fallbacks: 0           # 2 behind an override_host upstream (deploy/envoy/envoy-fallback.yaml)
     max_body_bytes: 8388608
     scrape: {interval_s: 0.2, timeout_s: 1.0, stale_after_s: 2.0, unreachable_after: 3}
     profiles:              # add or override policies; built-ins: cost, weighted, round-robin, least-loaded
@@ -65,7 +65,12 @@ class RouterConfig:
     hashing: HashConfig = field(default_factory=HashConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
-    fallbacks: int = 2
+    fallbacks: int = 0
+    """Endpoints named after the primary. The destination header and the ``envoy.lb`` metadata
+    carry the same value (the protocol forbids two), ``primary[,fallback…]``. Envoy's
+    ORIGINAL_DST upstream (GIE's own test config, deploy/envoy/envoy.yaml) reads the header as
+    one ``ip:port`` and routes nothing when it holds a list: keep 0 there. An ``override_host``
+    upstream (deploy/envoy/envoy-fallback.yaml, Istio, GKE) takes the list and retries down it."""
     max_body_bytes: int = 8 * 1024 * 1024
     lora_adapters: frozenset[str] = frozenset()
     profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: dict(BUILTIN_POLICIES))

@@ -35,6 +35,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from picker import request as request_mod
+from picker.endpoints.types import Endpoint
 from picker.errors import BodyTooLarge, InternalError, PickerError
 from picker.router import Router, Ticket
 from picker.telemetry import Telemetry
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 
 DEST_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 MAX_CHUNK = 62_000
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
@@ -62,6 +66,48 @@ def _headers_map(msg: pb.HttpHeaders) -> dict[str, str]:
         h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
         for h in msg.headers.headers
     }
+
+
+def _lb_value(msg: pb.ProcessingRequest, namespace: str, key: str) -> struct_pb2.Value | None:
+    """``metadata_context.filter_metadata[namespace][key]``, or None where Envoy set none."""
+    fm = msg.metadata_context.filter_metadata
+    if namespace not in fm:
+        return None
+    fields = fm[namespace].fields
+    return fields.get(key)
+
+
+def subset_hint(msg: pb.ProcessingRequest) -> frozenset[str] | None:
+    """The gateway's subset (endpoint keys), or None when it sent no hint. A list of strings,
+    or one comma-separated string, both normalised to endpoint keys; an entry that is not
+    ``ip:port`` is dropped (it names nothing we could pick)."""
+    value = _lb_value(msg, SUBSET_NAMESPACE, SUBSET_KEY)
+    if value is None:
+        return None
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        raw = [v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value"]
+    elif kind == "string_value":
+        raw = value.string_value.split(",")
+    else:
+        raw = []
+    return frozenset(k for k in map(endpoint_key, raw) if k)
+
+
+def served_endpoint(msg: pb.ProcessingRequest) -> str | None:
+    """The endpoint Envoy says served the request (response path), as an endpoint key."""
+    value = _lb_value(msg, LB_NAMESPACE, SERVED_KEY)
+    if value is None or value.WhichOneof("kind") != "string_value":
+        return None
+    return endpoint_key(value.string_value) or None
+
+
+def endpoint_key(hostport: str) -> str:
+    """``hostport`` as :attr:`Endpoint.key` spells it, or "" when it is not ``ip:port``."""
+    try:
+        return Endpoint.parse(hostport).key
+    except ValueError:
+        return ""
 
 
 def immediate(err: PickerError) -> pb.ProcessingResponse:
@@ -110,11 +156,17 @@ class Exchange:
     decision_label: str = "none"
     request_id: str = ""
     """The client's ``x-request-id``, or the one generated for it at the pick."""
+    subset: frozenset[str] | None = None
+    """The gateway's subset hint (endpoint keys), None when it sent none."""
 
     # -- request path -------------------------------------------------------------------------
     def on_request_headers(
-        self, msg: pb.HttpHeaders, cfg: pb.ProtocolConfiguration | None
+        self,
+        msg: pb.HttpHeaders,
+        cfg: pb.ProtocolConfiguration | None,
+        subset: frozenset[str] | None = None,
     ) -> list[pb.ProcessingResponse]:
+        self.subset = subset
         if cfg is not None:
             # Envoy sets protocol_config (presence-tracked) on the first message only, with its
             # configured modes; there NONE (0) is a real mode: no body message will follow.
@@ -171,7 +223,7 @@ class Exchange:
         else:
             req, doc = request_mod.from_headers(self.headers), {}
         self.request_id = req.request_id
-        decision = self.router.route(req)
+        decision = self.router.route(req, subset=self.subset)
         self.ticket = self.router.start(decision)
         self.chosen = [e.key for e in decision.chosen]
         self.picked = True
@@ -184,8 +236,14 @@ class Exchange:
             return orjson.dumps(doc)
         return None
 
+    @property
+    def destination(self) -> str:
+        """The one value of both the destination header and the ``envoy.lb`` metadata (the
+        protocol forbids two different values): primary first, then fallbacks, comma-separated."""
+        return ",".join(self.chosen)
+
     def _mutation(self, body_len: int | None) -> pb.CommonResponse:
-        hdrs = [_header(DEST_HEADER, self.chosen[0])]
+        hdrs = [_header(DEST_HEADER, self.destination)]
         if self.request_id != self.headers.get(REQUEST_ID):  # generated here: send it upstream
             hdrs.append(_header(REQUEST_ID, self.request_id))
         if body_len is not None:
@@ -194,7 +252,7 @@ class Exchange:
 
     def _metadata(self) -> struct_pb2.Struct:
         md = struct_pb2.Struct()
-        md.update({LB_NAMESPACE: {DEST_HEADER: ",".join(self.chosen)}})
+        md.update({LB_NAMESPACE: {DEST_HEADER: self.destination}})
         return md
 
     def _headers_response(self, body_len: int | None) -> pb.ProcessingResponse:
@@ -204,7 +262,11 @@ class Exchange:
         )
 
     # -- response path ------------------------------------------------------------------------
-    def on_response_headers(self, msg: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+    def on_response_headers(
+        self, msg: pb.HttpHeaders, served: str | None = None
+    ) -> list[pb.ProcessingResponse]:
+        if served and self.ticket is not None and self.router.recredit(self.ticket, served):
+            self.chosen = [served, *(k for k in self.chosen if k != served)]
         status = _headers_map(msg).get(":status", "")
         self.decision_label = f"{self.decision_label}:{status[:1]}xx" if status else self.decision_label
         if msg.end_of_stream:
@@ -289,13 +351,13 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
             cfg = msg.protocol_config if msg.HasField("protocol_config") else None
-            return ex.on_request_headers(msg.request_headers, cfg)
+            return ex.on_request_headers(msg.request_headers, cfg, subset_hint(msg))
         if kind == "request_body":
             return ex.on_request_body(msg.request_body)
         if kind == "request_trailers":
             return ex.on_request_trailers()
         if kind == "response_headers":
-            return ex.on_response_headers(msg.response_headers)
+            return ex.on_response_headers(msg.response_headers, served_endpoint(msg))
         if kind == "response_body":
             return ex.on_response_body(msg.response_body)
         if kind == "response_trailers":

@@ -4,6 +4,7 @@ The ext_proc server and the simulator's cluster mode both drive a :class:`Router
 
     decision = router.route(req)          # may raise PickerError subclasses
     ticket = router.start(decision)       # request sent: index records the pick, in-flight += 1
+    router.recredit(ticket, served_key)   # Envoy served a fallback: move the ticket there
     router.first_token(ticket)            # first response byte: prefill done, rate observed
     router.finish(ticket)                 # end, error, reset or disconnect; idempotent
 
@@ -14,7 +15,7 @@ no-ops), so in-flight counters return to zero when traffic stops.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from picker.config import RouterConfig, build_profile
@@ -47,6 +48,9 @@ class Decision:
 
 @dataclass(slots=True)
 class Ticket:
+    """One request's accounting, charged to ``state`` (the endpoint credited with it: the
+    primary, until :meth:`Router.recredit` moves it to the endpoint Envoy says served it)."""
+
     state: EndpointState
     prompt_tokens: int
     uncached_tokens: int
@@ -56,6 +60,10 @@ class Ticket:
     done: bool = False
     matched_blocks: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    cycle: Cycle | None = None
+    """The cycle that picked: its matches price a re-credited endpoint's cached tokens."""
+    hashes: Sequence[int] = ()
+    """The request's block hashes (the list the index recorded; not a copy)."""
 
 
 def _ewma(current: float, observed: float, alpha: float) -> float:
@@ -99,8 +107,20 @@ class Router:
         cyc = Cycle(req, prompt_tokens, block_tokens, len(hashes), matches, self.clock(), self.prefill_rate)
         return cyc, hashes
 
-    def route(self, req: InferenceRequest, policy: str | None = None, commit: bool = True) -> Decision:
+    def route(
+        self,
+        req: InferenceRequest,
+        policy: str | None = None,
+        commit: bool = True,
+        subset: Collection[str] | None = None,
+    ) -> Decision:
+        """Pick for ``req``. ``subset`` (the gateway's subset hint, endpoint keys) limits the
+        candidates; an empty subset, or one with no routable endpoint, raises :class:`NoEndpoints`."""
         candidates = self.pool.routable()
+        if subset is not None:
+            candidates = [e for e in candidates if e.key in subset]
+            if not candidates:
+                raise NoEndpoints("no ready endpoint in the gateway's subset")
         if not candidates:
             raise NoEndpoints("no ready endpoint in the pool")
         cyc, hashes = self.cycle(req, candidates)
@@ -120,11 +140,58 @@ class Router:
             state.pending_prefill_tokens,
             self.clock(),
             matched_blocks=cyc.matches.get(state.key, 0),
+            cycle=cyc,
+            hashes=decision.hashes,
         )
-        state.in_flight_requests += 1
-        state.in_flight_tokens += cyc.prompt_tokens
-        state.pending_prefill_tokens += uncached
+        self._charge(ticket)
         return ticket
+
+    @staticmethod
+    def _charge(ticket: Ticket) -> None:
+        state = ticket.state
+        state.in_flight_requests += 1
+        state.in_flight_tokens += ticket.prompt_tokens
+        state.pending_prefill_tokens += ticket.uncached_tokens
+
+    @staticmethod
+    def _discharge(ticket: Ticket) -> None:
+        state = ticket.state
+        if not ticket.first_token_at:
+            state.pending_prefill_tokens = max(0, state.pending_prefill_tokens - ticket.uncached_tokens)
+        state.in_flight_requests -= 1
+        state.in_flight_tokens -= ticket.prompt_tokens
+        assert state.in_flight_requests >= 0, f"{state.key}: in-flight requests went negative"
+        assert state.in_flight_tokens >= 0, f"{state.key}: in-flight tokens went negative"
+
+    def recredit(self, ticket: Ticket, key: str) -> bool:
+        """Move ``ticket`` to endpoint ``key``, the one that served it (Envoy fell back): its
+        in-flight counts, pending prefill, prefix-index entry and later rate observation go there.
+
+        The blocks the primary was credited with beyond what it already held are taken back
+        from its LRU. Returns False, changing nothing, when the ticket is done, already on
+        ``key``, or ``key`` is not in the pool."""
+        if ticket.done or key == ticket.state.key:
+            return False
+        new = self.pool.get(key)
+        if new is None:
+            return False
+        old = ticket.state
+        self._discharge(ticket)
+        self.index.discard(old.key, ticket.hashes[ticket.matched_blocks :])
+        cyc = ticket.cycle
+        matched = cyc.matches.get(key, self.index.match(key, ticket.hashes)) if cyc else 0
+        cached = min(ticket.prompt_tokens, int(matched * cyc.block_tokens)) if cyc else 0
+        ticket.state = new
+        ticket.matched_blocks = matched
+        ticket.uncached_tokens = ticket.prompt_tokens - cached
+        ticket.queued_tokens = new.pending_prefill_tokens
+        if not ticket.first_token_at:
+            self._charge(ticket)
+        else:  # prefill already over: only the in-flight counts move
+            new.in_flight_requests += 1
+            new.in_flight_tokens += ticket.prompt_tokens
+        self.index.record(key, ticket.hashes)
+        return True
 
     def first_token(self, ticket: Ticket) -> None:
         if ticket.done or ticket.first_token_at:
@@ -146,13 +213,7 @@ class Router:
         if ticket.done:
             return
         ticket.done = True
-        state = ticket.state
-        if not ticket.first_token_at:
-            state.pending_prefill_tokens = max(0, state.pending_prefill_tokens - ticket.uncached_tokens)
-        state.in_flight_requests -= 1
-        state.in_flight_tokens -= ticket.prompt_tokens
-        assert state.in_flight_requests >= 0, f"{state.key}: in-flight requests went negative"
-        assert state.in_flight_tokens >= 0, f"{state.key}: in-flight tokens went negative"
+        self._discharge(ticket)
 
     def refresh_capacity(self, state: EndpointState) -> None:
         """Size the endpoint's LRU from its ``vllm:cache_config_info`` (KV blocks × block tokens),

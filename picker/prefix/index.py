@@ -74,6 +74,13 @@ class EndpointLRU:
                 older = gens[-2::-1]
         assert len(self) <= self.capacity, f"LRU holds {len(self)} blocks > capacity {self.capacity}"
 
+    def discard(self, hashes: Iterable[int]) -> None:
+        """Forget ``hashes`` (a pick credited here that another endpoint served)."""
+        for h in hashes:
+            for g in self.gens:
+                if g.pop(h, 0) is None:
+                    break
+
     def resize(self, capacity: int) -> None:
         """Change the capacity. Keeps the most recent blocks that fit in ``segments - 1`` segments
         of the new size, re-cut oldest first, with an empty newest segment: every old segment then
@@ -126,6 +133,11 @@ class PrefixIndex:
         if lru is None:
             lru = self._lrus[key] = EndpointLRU(self.default_capacity, self.segments)
         lru.record(hashes)
+
+    def discard(self, key: str, hashes: Sequence[int]) -> None:
+        lru = self._lrus.get(key)
+        if lru is not None and hashes:
+            lru.discard(hashes)
 
     def set_capacity(self, key: str, capacity: int) -> None:
         lru = self._lrus.get(key)

@@ -23,7 +23,13 @@ def test_fallback_serves_when_primary_port_is_closed(tmp_path: pathlib.Path) -> 
         st.start_upstreams()
         # The picker knows both; scrape interval is long so the dead port stays "unknown" (routable).
         st.start_picker(
-            "--scrape-interval", "3600", "--policy", "round-robin", endpoints=[closed, st.upstreams[0]]
+            "--scrape-interval",
+            "3600",
+            "--policy",
+            "round-robin",
+            "--fallbacks",
+            "2",
+            endpoints=[closed, st.upstreams[0]],
         )
         eps = f"127.0.0.1:{closed},127.0.0.1:{st.upstreams[0]}"
         st.start_envoy("--upstream", "pool", "--endpoints", eps)

@@ -279,3 +279,54 @@ def test_explain_has_no_side_effects() -> None:
     assert router.index.size() == sizes and all(s.in_flight_requests == 0 for s in pool)
     chosen = out["chosen"]
     assert isinstance(chosen, list) and endpoints[chosen[0]]["matched_blocks"] == 18
+
+
+def test_recredit_moves_accounting_index_and_rate_to_the_served_endpoint() -> None:
+    router, pool, clock = make(2, policy="round-robin")
+    a, b = (pool.get(f"127.0.0.1:{8001 + i}") for i in range(2))
+    assert a is not None and b is not None
+    text = "shared document " * 400
+    t = router.start(router.route(req(text), subset={a.key}))
+    assert t.state is a and a.in_flight_requests == 1 and a.pending_prefill_tokens > 0
+    assert router.index.size(a.key) > 0
+    assert router.recredit(t, b.key)
+    assert (a.in_flight_requests, a.in_flight_tokens, a.pending_prefill_tokens) == (0, 0, 0)
+    assert b.in_flight_requests == 1 and b.in_flight_tokens == t.prompt_tokens
+    assert b.pending_prefill_tokens == t.uncached_tokens == t.prompt_tokens
+    assert router.index.size(a.key) == 0 and router.index.size(b.key) > 0
+    assert not router.recredit(t, b.key) and not router.recredit(t, "10.9.9.9:1")
+    clock.t += 1.0
+    router.first_token(t)
+    assert b.prefill_samples == 1 and a.prefill_samples == 0
+    router.finish(t)
+    for s in (a, b):
+        assert (s.in_flight_requests, s.in_flight_tokens, s.pending_prefill_tokens) == (0, 0, 0)
+    assert not router.recredit(t, a.key)  # done: nothing moves
+
+
+def test_recredit_keeps_what_the_primary_already_held() -> None:
+    router, pool, _ = make(2, policy="round-robin")
+    a, b = (pool.get(f"127.0.0.1:{8001 + i}") for i in range(2))
+    assert a is not None and b is not None
+    base = "system prompt " * 200
+    router.finish(router.start(router.route(req(base), subset={a.key})))
+    held = router.index.size(a.key)
+    t = router.start(router.route(req(base + "and a new question " * 50), subset={a.key}))
+    assert router.index.size(a.key) > held
+    router.recredit(t, b.key)
+    assert router.index.size(a.key) == held
+    router.finish(t)
+
+
+@pytest.mark.parametrize("subset", [frozenset(), frozenset({"10.0.0.1:1"})])
+def test_subset_with_nothing_eligible_is_no_endpoints(subset: frozenset[str]) -> None:
+    router, _, _ = make(2)
+    with pytest.raises(NoEndpoints):
+        router.route(req("x"), subset=subset)
+
+
+def test_subset_limits_the_candidates() -> None:
+    router, pool, _ = make(3, policy="round-robin")
+    keys = [s.key for s in pool]
+    picked = {router.route(req(f"p{i}"), subset={keys[1], keys[2]}).primary.key for i in range(12)}
+    assert picked == {keys[1], keys[2]}
