@@ -54,9 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--grpc-health-port", type=int, default=so.grpc_health_port, help="plaintext gRPC health port"
     )
-    g.add_argument(
-        "--metrics-port", type=int, default=so.metrics_port, help="Prometheus /metrics and /debug/* HTTP port"
-    )
+    g.add_argument("--metrics-port", type=int, default=so.metrics_port, help="Prometheus /metrics HTTP port")
     g.add_argument("--host", default=so.host, help="address to bind all ports on")
     g.add_argument(
         "--secure-serving",
@@ -74,6 +72,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-read the certificate in --cert-path when it changes",
     )
     g.add_argument("--config-file", default=None, help="YAML config (policies, hashing, index, scrape)")
+    g.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=so.max_concurrent_streams,
+        help="cap on concurrent gRPC calls on the ext_proc port; over it a stream is refused "
+        "(RESOURCE_EXHAUSTED) and Envoy's failure mode applies; 0 for no cap",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=so.drain_timeout_s,
+        metavar="SECONDS",
+        help="on SIGTERM, how long in-flight streams may run on before the picker exits",
+    )
+    s = p.add_argument_group("security (debug faces are off unless asked for)")
+    s.add_argument(
+        "--enable-debug-api",
+        action="store_true",
+        help="serve /debug/explain and /debug/endpoints on --debug-port (they reveal which "
+        "prefixes each endpoint served recently: keep them private)",
+    )
+    s.add_argument("--debug-port", type=int, default=so.debug_port, help="HTTP port of the debug API")
+    s.add_argument(
+        "--debug-bind-address", default=so.debug_bind_address, help="address the debug API binds to"
+    )
+    s.add_argument(
+        "--enable-explain-grpc",
+        action="store_true",
+        help="serve the kvpick.v1.Explain gRPC service on the ext_proc port",
+    )
+    s.add_argument(
+        "--trust-gateway-headers",
+        type=_bool,
+        default=None,
+        metavar="BOOL",
+        help="honour x-gateway-model-name-rewrite (only where the gateway strips a client's copy "
+        f"and sets its own) {_from_config(cfg.trust_gateway_headers)}",
+    )
     d = p.add_argument_group("discovery")
     d.add_argument("--endpoints", default=None, help="static endpoints ip:port,ip:port,...")
     d.add_argument("--endpoints-file", default=None, help="YAML endpoints file, reloaded when it changes")
@@ -154,6 +190,8 @@ def build_config(args: argparse.Namespace) -> config_mod.RouterConfig:
         changes["hashing"] = dataclasses.replace(cfg.hashing, block_size=args.block_size)
     if args.index_capacity is not None:
         changes["index"] = dataclasses.replace(cfg.index, capacity_blocks=args.index_capacity)
+    if args.trust_gateway_headers is not None:
+        changes["trust_gateway_headers"] = args.trust_gateway_headers
     if args.scrape_interval is not None:
         changes["scrape"] = dataclasses.replace(cfg.scrape, interval_s=args.scrape_interval)
     return dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]
@@ -197,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         cert_path=args.cert_path,
         enable_cert_reload=args.enable_cert_reload,
         default_body_mode=BODY_MODES[args.body_mode],
+        enable_debug_api=args.enable_debug_api,
+        debug_port=args.debug_port,
+        debug_bind_address=args.debug_bind_address,
+        enable_explain_grpc=args.enable_explain_grpc,
+        max_concurrent_streams=args.max_concurrent_streams,
+        drain_timeout_s=args.drain_timeout,
     )
     server = PickerServer(cfg, provider, opts)
 

@@ -5,6 +5,8 @@ Example ``--config-file``::
     policy: cost
     hashing: {block_size: 64, max_blocks: 2048}
     index: {capacity_blocks: 31250, segments: 4, chars_per_token: 4.0, max_derived_capacity_blocks: 1000000}
+    objectives: {critical: 10, batch: -1}   # x-gateway-inference-objective -> priority (<0 sheddable)
+    trust_gateway_headers: false           # honour x-gateway-model-name-rewrite (gateway sets it)
     fallbacks: 0           # 2 behind an override_host upstream (deploy/envoy/envoy-fallback.yaml)
     max_body_bytes: 8388608
     scrape: {interval_s: 0.2, timeout_s: 1.0, stale_after_s: 2.0, unreachable_after: 3}
@@ -75,6 +77,14 @@ class RouterConfig:
     lora_adapters: frozenset[str] = frozenset()
     profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: dict(BUILTIN_POLICIES))
     rate_ewma_alpha: float = 0.2
+    objectives: Mapping[str, int] = field(default_factory=dict)
+    """Objective name (``x-gateway-inference-objective``) → priority, as InferenceObjective's
+    ``priority``: negative is sheddable (429 when the pool is saturated), 0 or more is not."""
+    default_priority: int = 0
+    """Priority of a request naming no objective, or one not in ``objectives``."""
+    trust_gateway_headers: bool = False
+    """Honour ``x-gateway-model-name-rewrite``. Only a gateway may set it: turn this on only where
+    the gateway strips a client-sent copy and sets its own (else any client picks the model)."""
 
     def __post_init__(self) -> None:
         if self.policy not in self.profiles:
@@ -107,9 +117,22 @@ def load(raw: Mapping[str, Any] | None, base: RouterConfig | None = None) -> Rou
             raw[key] = _overlay(cls, cur, raw[key] or {}, key)
     if "profiles" in raw:
         raw["profiles"] = {**base.profiles, **(raw["profiles"] or {})}
+    if "objectives" in raw:
+        raw["objectives"] = _objectives(raw["objectives"] or {})
     if "lora_adapters" in raw:
         raw["lora_adapters"] = frozenset(raw["lora_adapters"] or ())
     return _overlay(RouterConfig, base, raw, "config")
+
+
+def _objectives(raw: Mapping[str, Any]) -> dict[str, int]:
+    """``{name: priority}`` or ``{name: {priority: n}}`` (InferenceObjective's spec shape)."""
+    out: dict[str, int] = {}
+    for name, v in raw.items():
+        prio = v.get("priority", 0) if isinstance(v, Mapping) else v
+        if not isinstance(prio, int) or isinstance(prio, bool):
+            raise ValueError(f"objectives.{name}: priority must be an integer, got {prio!r}")
+        out[str(name)] = prio
+    return out
 
 
 def load_file(path: str, base: RouterConfig | None = None) -> RouterConfig:

@@ -52,6 +52,7 @@ FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 REQUEST_ID = "x-request-id"
+REWRITE_HEADER = request_mod.REWRITE_HEADER
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
@@ -216,21 +217,25 @@ class Exchange:
         ]
 
     def _pick(self, body: bytes) -> bytes | None:
-        """Parse, route and start accounting. Returns a rewritten body, or None if unchanged."""
+        """Parse, route and start accounting. Returns a rewritten body, or None if unchanged.
+        A bodiless request skips scheduling: any ready endpoint, no index or accounting."""
+        self.picked = True
+        if not body:
+            self.request_id = request_mod.request_id_of(self.headers)
+            self.chosen = [self.router.any_ready(self.subset).key]
+            self.decision_label = "bodiless"
+            return None
+        cfg = self.router.cfg
         path = self.headers.get(":path", "")
-        if body:
-            req, doc = request_mod.parse(body, path, self.headers, self.router.cfg.lora_adapters)
-        else:
-            req, doc = request_mod.from_headers(self.headers), {}
+        req, doc = request_mod.parse(body, path, self.headers, cfg.lora_adapters, cfg.trust_gateway_headers)
         self.request_id = req.request_id
         decision = self.router.route(req, subset=self.subset)
         self.ticket = self.router.start(decision)
         self.chosen = [e.key for e in decision.chosen]
-        self.picked = True
         self.decision_label = "prefix_hit" if decision.cycle.matches.get(self.chosen[0], 0) else "prefix_miss"
         if self.telemetry and decision.cycle.n_blocks:
             self.telemetry.prefix_hit_ratio.observe(self.ticket.matched_blocks / decision.cycle.n_blocks)
-        rewrite = self.headers.get("x-gateway-model-name-rewrite")
+        rewrite = self.headers.get(REWRITE_HEADER) if cfg.trust_gateway_headers else None
         if rewrite and doc.get("model") != rewrite:
             doc["model"] = rewrite
             return orjson.dumps(doc)

@@ -1,9 +1,14 @@
-"""The metrics port (9090): Prometheus ``/metrics`` and the JSON debug API.
+"""The picker's HTTP faces.
 
-- ``GET /metrics``: the picker's own metrics.
-- ``POST /debug/explain?path=/v1/completions[&policy=NAME]`` with an OpenAI body: per-endpoint
-  matched blocks, scores and TTFT estimates, without sending anything.
-- ``GET /debug/endpoints``: the pool's live state.
+- :func:`metrics_app` (``--metrics-port``, 9090): Prometheus ``GET /metrics`` only.
+- :func:`debug_app` (``--debug-port``, 9091, only with ``--enable-debug-api``; bound to
+  127.0.0.1 unless ``--debug-bind-address`` says otherwise). It reveals, per endpoint, whether a
+  guessed prompt prefix was sent there recently — a cross-tenant side channel — so it is off by
+  default and never shares the metrics port:
+
+  - ``POST /debug/explain?path=/v1/completions[&policy=NAME]`` with an OpenAI body: per-endpoint
+    matched blocks, scores and TTFT estimates, without sending anything.
+  - ``GET /debug/endpoints``: the pool's live state.
 """
 
 from __future__ import annotations
@@ -17,12 +22,18 @@ from picker.router import Router
 from picker.telemetry import Telemetry
 
 
-def make_app(router: Router, telemetry: Telemetry) -> web.Application:
+def metrics_app(router: Router, telemetry: Telemetry) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
         telemetry.refresh(router.pool, router.index)
         body = generate_latest(telemetry.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    app = web.Application(client_max_size=1024)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def debug_app(router: Router) -> web.Application:
     async def explain(req: web.Request) -> web.Response:
         body = await req.read()
         try:
@@ -56,7 +67,6 @@ def make_app(router: Router, telemetry: Telemetry) -> web.Application:
         )
 
     app = web.Application(client_max_size=router.cfg.max_body_bytes)
-    app.router.add_get("/metrics", metrics)
     app.router.add_post("/debug/explain", explain)
     app.router.add_get("/debug/endpoints", endpoints)
     return app

@@ -20,6 +20,8 @@ import orjson
 from picker.errors import BadRequest
 
 MAX_NESTING = 64
+REWRITE_HEADER = "x-gateway-model-name-rewrite"
+"""Set by a gateway, never trusted from a client: read only with ``trust_gateway_headers``."""
 SEP = "\x1e"  # record separator between messages: never produced by a normal prompt
 
 
@@ -46,18 +48,15 @@ def request_id_of(headers: Mapping[str, str]) -> str:
     return headers.get("x-request-id") or uuid.uuid4().hex
 
 
-def from_headers(headers: Mapping[str, str]) -> InferenceRequest:
-    """A bodiless request (a GET, or a body Envoy does not send): nothing to route on but headers."""
-    return InferenceRequest(model="", routing_text="", request_id=request_id_of(headers))
-
-
 def parse(
     body: bytes,
     path: str,
     headers: Mapping[str, str],
     lora_adapters: frozenset[str] = frozenset(),
+    trust_rewrite: bool = False,
 ) -> tuple[InferenceRequest, dict[str, Any]]:
     """Parse ``body`` once. Returns the request and the decoded JSON object (for rewrites).
+    ``x-gateway-model-name-rewrite`` names the model only when ``trust_rewrite`` is set.
 
     Raises :class:`BadRequest` for invalid UTF-8, invalid JSON, nesting deeper than
     ``MAX_NESTING``, a non-object body, or a missing ``model``.
@@ -69,7 +68,7 @@ def parse(
     if not isinstance(doc, dict):
         raise BadRequest("request body must be a JSON object")
     _check_depth(doc)
-    model = headers.get("x-gateway-model-name-rewrite") or doc.get("model")
+    model = (headers.get(REWRITE_HEADER) if trust_rewrite else None) or doc.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("request body has no 'model'")
     salt = doc.get("cache_salt", "")

@@ -104,7 +104,10 @@ class Router:
         block_tokens = (
             prompt_tokens / len(hashes) if req.prompt_token_ids is not None and hashes else self._block_tokens
         )
-        cyc = Cycle(req, prompt_tokens, block_tokens, len(hashes), matches, self.clock(), self.prefill_rate)
+        priority = self.cfg.objectives.get(req.objective, self.cfg.default_priority)
+        cyc = Cycle(
+            req, prompt_tokens, block_tokens, len(hashes), matches, self.clock(), self.prefill_rate, priority
+        )
         return cyc, hashes
 
     def route(
@@ -127,6 +130,19 @@ class Router:
         profile = self.profiles[policy] if policy else self.profile
         result = profile.run(cyc, candidates, 1 + self.cfg.fallbacks, commit)
         return Decision(cyc, result, hashes)
+
+    def any_ready(self, subset: Collection[str] | None = None) -> EndpointState:
+        """A bodiless request's endpoint (GET /v1/models): the routable one with the fewest
+        in-flight requests, with no scheduling, index or accounting work. Never shed."""
+        best: EndpointState | None = None
+        for e in self.pool.routable():
+            if (subset is None or e.key in subset) and (
+                best is None or e.in_flight_requests < best.in_flight_requests
+            ):
+                best = e
+        if best is None:
+            raise NoEndpoints("no ready endpoint in the pool" + (" subset" if subset is not None else ""))
+        return best
 
     def start(self, decision: Decision) -> Ticket:
         state = decision.primary

@@ -1,5 +1,17 @@
 """Wiring: the gRPC ext_proc server (with health on the same port, as gateways probe it there),
-the plaintext health server, the metrics/debug HTTP server, discovery and scraping."""
+the plaintext health server, the metrics HTTP server, the opt-in debug faces, discovery and
+scraping, and the lifecycle.
+
+Health (gRPC, services ``liveness``, ``readiness`` and the ext_proc service name):
+- ``liveness`` is SERVING while the process runs;
+- ``readiness`` and ``envoy.service.ext_proc.v3.ExternalProcessor`` are SERVING once discovery
+  has synced (the provider pushed its first endpoint set) and until shutdown begins. An empty pool
+  is still ready: requests then get the protocol's 503, not a gateway error.
+
+Shutdown (SIGTERM): readiness goes NOT_SERVING, the ext_proc server takes no new streams, and
+in-flight streams (each lives as long as its generation) finish for up to ``drain_timeout_s``
+(130 s, as GIE's termination grace); then the process exits. A second signal skips the drain.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +31,7 @@ from picker.endpoints.pool import Pool
 from picker.endpoints.types import EndpointProvider, EndpointState
 from picker.explain import ExplainService
 from picker.extproc import FULL_DUPLEX, ExtProcService
-from picker.http import make_app
+from picker.http import debug_app, metrics_app
 from picker.router import Router
 from picker.scrape import Scraper
 from picker.telemetry import Telemetry
@@ -41,6 +53,16 @@ class ServerOptions:
     cert_path: str | None = None
     enable_cert_reload: bool = False
     default_body_mode: int = FULL_DUPLEX
+    enable_debug_api: bool = False
+    """Serve ``/debug/explain`` and ``/debug/endpoints`` on ``debug_port``."""
+    debug_port: int = 9091
+    debug_bind_address: str = "127.0.0.1"
+    enable_explain_grpc: bool = False
+    """Serve the ``kvpick.v1.Explain`` gRPC service on the ext_proc port."""
+    max_concurrent_streams: int = 4096
+    """Concurrent gRPC calls on the ext_proc port (ext_proc streams and health checks); over it
+    a call is refused with RESOURCE_EXHAUSTED and Envoy's failure mode applies. 0: no cap."""
+    drain_timeout_s: float = 130.0
 
 
 class PickerServer:
@@ -52,6 +74,9 @@ class PickerServer:
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.pool.on_remove(lambda s: self.telemetry.forget(s.key))
         self._stopping = asyncio.Event()
+        self._force = asyncio.Event()
+        self.draining = False
+        """Set once shutdown begins; written only by :meth:`run`."""
 
     def _on_scrape(self, state: EndpointState) -> None:
         self.router.refresh_capacity(state)
@@ -61,26 +86,28 @@ class PickerServer:
 
     async def _set_health(self, ready: bool) -> None:
         status = SERVING if ready else NOT_SERVING
-        for svc in ("", "liveness", EXTPROC_SERVICE):
-            await _maybe_await(self.health.set(svc, SERVING))
-        await _maybe_await(self.health.set("readiness", status))
+        await _maybe_await(self.health.set("liveness", SERVING))
+        for svc in ("", "readiness", EXTPROC_SERVICE):
+            await _maybe_await(self.health.set(svc, status))
 
     async def _watch_readiness(self) -> None:
         last: bool | None = None
         while True:
-            ready = bool(self.pool.routable())
+            ready = self.pool.synced and not self.draining
             if ready != last:
                 await self._set_health(ready)
                 last = ready
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.1)
 
     def _grpc_server(self) -> grpc.aio.Server:
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        cap = self.opts.max_concurrent_streams or None
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=cap)
         pb_grpc.add_ExternalProcessorServicer_to_server(
             ExtProcService(self.router, self.telemetry, self.opts.default_body_mode), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        explain_pb2_grpc.add_ExplainServicer_to_server(ExplainService(self.router), server)
+        if self.opts.enable_explain_grpc:
+            explain_pb2_grpc.add_ExplainServicer_to_server(ExplainService(self.router), server)
         addr = f"{self.opts.host}:{self.opts.grpc_port}"
         if self.opts.secure_serving:
             server.add_secure_port(
@@ -90,48 +117,87 @@ class PickerServer:
             server.add_insecure_port(addr)
         return server
 
+    async def _http_sites(self) -> list[web.AppRunner]:
+        runners: list[web.AppRunner] = []
+        faces = [(metrics_app(self.router, self.telemetry), self.opts.host, self.opts.metrics_port)]
+        if self.opts.enable_debug_api:
+            faces.append((debug_app(self.router), self.opts.debug_bind_address, self.opts.debug_port))
+        for app, host, port in faces:
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, host, port).start()
+            runners.append(runner)
+        return runners
+
     async def run(self) -> None:
         ext = self._grpc_server()
         hs = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
         hs.add_insecure_port(f"{self.opts.host}:{self.opts.grpc_health_port}")
-        runner = web.AppRunner(make_app(self.router, self.telemetry), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, self.opts.host, self.opts.metrics_port)
         await self._set_health(False)
+        runners: list[web.AppRunner] = []
         async with Scraper(self.pool, self.cfg.scrape, self._on_scrape, self._on_scrape_error):
             tasks = [
                 asyncio.create_task(self.provider.run(self.pool)),
                 asyncio.create_task(self._watch_readiness()),
             ]
-            await ext.start()
-            await hs.start()
-            await site.start()
-            log.info(
-                "picker serving ext_proc on :%d (%s), health :%d, metrics :%d, policy %s",
-                self.opts.grpc_port,
-                "TLS" if self.opts.secure_serving else "plaintext",
-                self.opts.grpc_health_port,
-                self.opts.metrics_port,
-                self.cfg.policy,
-            )
             try:
+                await ext.start()
+                await hs.start()
+                runners = await self._http_sites()
+                self._log_started()
                 done, _ = await asyncio.wait(
                     [*tasks, asyncio.create_task(self._stopping.wait())], return_when=asyncio.FIRST_COMPLETED
                 )
                 for t in done:
                     if t in tasks and t.exception():
                         raise RuntimeError("discovery failed") from t.exception()
+                await self._drain(ext)
             finally:
                 for t in tasks:
                     t.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await t
-                await ext.stop(grace=2)
+                await ext.stop(grace=0)
                 await hs.stop(grace=0)
-                await runner.cleanup()
+                for r in runners:
+                    await r.cleanup()
+
+    async def _drain(self, ext: grpc.aio.Server) -> None:
+        """NOT_SERVING, no new streams, in-flight streams finish (up to the drain timeout, or
+        until a second signal)."""
+        self.draining = True
+        await self._set_health(False)
+        log.info("draining: no new streams; in-flight streams get up to %.0f s", self.opts.drain_timeout_s)
+        stop = asyncio.create_task(ext.stop(grace=self.opts.drain_timeout_s))
+        force = asyncio.create_task(self._force.wait())
+        await asyncio.wait([stop, force], return_when=asyncio.FIRST_COMPLETED)
+        force.cancel()
+        if not stop.done():
+            log.warning("second signal: ending the drain now")
+            await ext.stop(grace=0)
+            await stop
+        log.info("drained")
+
+    def _log_started(self) -> None:
+        o = self.opts
+        log.info(
+            "picker serving ext_proc on :%d (%s), health :%d, metrics :%d, debug %s, explain gRPC %s, "
+            "max streams %s, policy %s",
+            o.grpc_port,
+            "TLS" if o.secure_serving else "plaintext",
+            o.grpc_health_port,
+            o.metrics_port,
+            f"{o.debug_bind_address}:{o.debug_port}" if o.enable_debug_api else "off",
+            "on" if o.enable_explain_grpc else "off",
+            o.max_concurrent_streams or "unbounded",
+            self.cfg.policy,
+        )
 
     def stop(self) -> None:
+        """Begin shutdown; a second call ends the drain at once."""
+        if self._stopping.is_set():
+            self._force.set()
         self._stopping.set()
 
 

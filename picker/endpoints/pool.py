@@ -18,6 +18,9 @@ class Pool:
         self._states: dict[str, EndpointState] = {}
         self._on_add: list[Listener] = []
         self._on_remove: list[Listener] = []
+        self.synced = False
+        """True once a provider has pushed its first complete endpoint set (even an empty one):
+        the picker's readiness. Written only by :meth:`set_endpoints`."""
 
     def on_add(self, fn: Listener) -> None:
         self._on_add.append(fn)
@@ -27,6 +30,7 @@ class Pool:
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
         wanted = {ep.key: ep for ep in endpoints}
+        self.synced = True
         for key in [k for k in self._states if k not in wanted]:
             state = self._states.pop(key)
             for fn in self._on_remove:

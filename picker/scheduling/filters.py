@@ -22,8 +22,10 @@ class NotSaturatedFilter:
     """Drops saturated endpoints: a waiting queue at ``max_waiting`` or more, or KV usage at
     ``max_kv_usage`` or more while requests already wait.
 
-    When every endpoint is saturated the request is shed with 429 if ``shed`` is true; otherwise
-    all candidates are kept (saturation then only shows in the scores).
+    When every endpoint is saturated, a sheddable request (negative priority) is shed with 429 if
+    ``shed`` is true; any other request keeps only the least-loaded endpoint (the protocol keeps
+    429 for requests that may be dropped). With ``shed`` false all candidates are kept
+    (saturation then only shows in the scores).
     """
 
     max_waiting: int = 64
@@ -38,9 +40,11 @@ class NotSaturatedFilter:
         kept = [e for e in endpoints if not self.saturated(e)]
         if kept or not endpoints:
             return kept
-        if self.shed:
-            raise Overloaded(f"all {len(endpoints)} endpoints are saturated")
-        return endpoints
+        if not self.shed:
+            return endpoints
+        if cycle.priority < 0:
+            raise Overloaded(f"all {len(endpoints)} endpoints are saturated; the request is sheddable")
+        return [min(endpoints, key=LoadGuardFilter.load)]
 
 
 @dataclass

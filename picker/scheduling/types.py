@@ -35,6 +35,8 @@ class Cycle:
     prefill_rate: float = 0.0
     """Pool-wide observed prefill throughput in tokens/s (0 = not observed yet): the fallback for
     an endpoint with too few observations of its own (``EndpointState.prefill_rate``)."""
+    priority: int = 0
+    """The request's objective priority (config ``objectives``); negative means sheddable."""
 
     def cached_tokens(self, key: str) -> int:
         return min(self.prompt_tokens, int(self.matches.get(key, 0) * self.block_tokens))

@@ -212,6 +212,9 @@ def start(args: argparse.Namespace, children: Children) -> list[int]:
             str(args.picker_port + 1),
             "--metrics-port",
             str(args.metrics_port),
+            "--enable-debug-api",  # a local stack: the debug API on loopback, next to metrics
+            "--debug-port",
+            str(args.metrics_port + 1),
         ],
     )
     cfg = children.run_dir / "envoy.yaml"
@@ -251,7 +254,7 @@ kvpick local stack is up: Envoy :{args.port} → picker :{args.picker_port} (pol
   curl -s http://127.0.0.1:{args.port}/v1/completions -H 'content-type: application/json' \\
        -d '{{"model": "{args.model}", "prompt": "You are a helpful assistant. Hello!", "max_tokens": 16}}'
 
-  explain a pick:  curl -s 'http://127.0.0.1:{args.metrics_port}/debug/explain?path=/v1/completions' -d '{{"model": "{args.model}", "prompt": "..."}}'
+  explain a pick:  curl -s 'http://127.0.0.1:{args.metrics_port + 1}/debug/explain?path=/v1/completions' -d '{{"model": "{args.model}", "prompt": "..."}}'
   picker metrics:  http://127.0.0.1:{args.metrics_port}/metrics      logs: {args.run_dir}/
 Ctrl-C stops everything.
 """

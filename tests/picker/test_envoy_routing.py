@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import collections
+import pathlib
 import time
 
 import pytest
 
-from tests.support.procs import Stack, http, post_json
+from tests.support.procs import Stack, http, post_json, stack
 
 pytestmark = pytest.mark.envoy
 
@@ -75,13 +76,23 @@ def test_bodiless_get_goes_to_a_ready_endpoint(envoy_stack: Stack) -> None:
     assert status == 200 and b"served_by" in body
 
 
-def test_model_rewrite_header_rewrites_the_body(envoy_stack: Stack) -> None:
+def test_client_model_rewrite_header_is_ignored(envoy_stack: Stack) -> None:
     status, body = post_json(
         envoy_stack.url + "/v1/completions",
         {"model": "m", "prompt": "hi"},
-        headers={"x-gateway-model-name-rewrite": "m-lora"},
+        headers={"x-gateway-model-name-rewrite": "evil"},
     )
-    assert status == 200 and body["model"] == "m-lora"
+    assert status == 200 and body["model"] == "m"
+
+
+def test_model_rewrite_header_rewrites_the_body_when_the_gateway_is_trusted(tmp_path: pathlib.Path) -> None:
+    with stack(tmp_path, picker_args=("--trust-gateway-headers", "true")) as st:
+        status, body = post_json(
+            st.url + "/v1/completions",
+            {"model": "m", "prompt": "hi"},
+            headers={"x-gateway-model-name-rewrite": "m-lora"},
+        )
+        assert status == 200 and body["model"] == "m-lora"
 
 
 def test_in_flight_returns_to_zero(envoy_stack: Stack) -> None:

@@ -19,10 +19,10 @@ from picker.router import Router
 from picker.telemetry import Telemetry
 
 
-def make(mode: int = FULL_DUPLEX) -> tuple[Exchange, Pool]:
+def make(mode: int = FULL_DUPLEX, **cfg: object) -> tuple[Exchange, Pool]:
     pool = Pool()
     pool.set_endpoints([Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000), Endpoint("10.0.0.3", 8000)])
-    router = Router(RouterConfig(fallbacks=2), pool)
+    router = Router(RouterConfig(fallbacks=2, **cfg), pool)  # type: ignore[arg-type]
     return Exchange(router, None, 1 << 20, mode, mode), pool
 
 
@@ -81,8 +81,27 @@ def test_buffered_mode_mutates_in_the_body_response() -> None:
     assert resp.request_body.response.clear_route_cache
 
 
-def test_model_rewrite_changes_body_and_content_length() -> None:
+def test_model_rewrite_is_ignored_unless_the_gateway_is_trusted() -> None:
     ex, _ = make()
+    ex.on_request_headers(headers(x_gateway_model_name_rewrite="evil"), None)
+    out = ex.on_request_body(pb.HttpBody(body=b'{"model": "alias", "prompt": "hi"}', end_of_stream=True))
+    body = b"".join(o.request_body.response.body_mutation.streamed_response.body for o in out[1:])
+    assert json.loads(body)["model"] == "alias"
+    assert "content-length" not in dest(out[0].request_headers.response)
+
+
+def test_bodiless_request_skips_scheduling_and_accounting() -> None:
+    ex, pool = make()
+    for s in pool:
+        s.metrics.waiting = 1000  # saturated: a bodiless GET is still answered, never shed
+    (resp,) = ex.on_request_headers(headers(eos=True), None)
+    assert dest(resp.request_headers.response)[DEST_HEADER] in {s.key for s in pool}
+    assert ex.ticket is None and all(s.in_flight_requests == 0 for s in pool)
+    assert ex.router.index.size() == 0
+
+
+def test_model_rewrite_changes_body_and_content_length() -> None:
+    ex, _ = make(trust_gateway_headers=True)
     ex.on_request_headers(headers(x_gateway_model_name_rewrite="target"), None)
     out = ex.on_request_body(pb.HttpBody(body=b'{"model": "alias", "prompt": "hi"}', end_of_stream=True))
     new_body = b"".join(o.request_body.response.body_mutation.streamed_response.body for o in out[1:])
@@ -174,7 +193,7 @@ def test_body_mode_none_picks_at_request_headers() -> None:
     [resp] = ex.on_request_headers(msg.request_headers, msg.protocol_config)
     assert resp.WhichOneof("response") == "request_headers"
     assert DEST_HEADER in dest(resp.request_headers.response)
-    assert sum(s.in_flight_requests for s in pool) == 1
+    assert sum(s.in_flight_requests for s in pool) == 0, "no body to schedule on: no accounting"
     ex.on_response_headers(headers(eos=True))
     assert sum(s.in_flight_requests for s in pool) == 0
 

@@ -88,7 +88,7 @@ def test_grpc_health_on_both_ports_and_metrics(envoy_stack: Stack) -> None:
 def test_explain_reports_scores_and_estimates(envoy_stack: Stack) -> None:
     post_json(envoy_stack.url + "/v1/completions", {"model": "m", "prompt": DOC})
     status, body = post_json(
-        f"http://127.0.0.1:{envoy_stack.metrics_port}/debug/explain?path=/v1/completions",
+        f"http://127.0.0.1:{envoy_stack.debug_port}/debug/explain?path=/v1/completions",
         {"model": "m", "prompt": DOC + " more"},
     )
     assert status == 200, body
@@ -98,7 +98,7 @@ def test_explain_reports_scores_and_estimates(envoy_stack: Stack) -> None:
     assert eps[best]["matched_blocks"] > 0
     assert all(e["ttft_estimate_s"] > 0 for e in eps.values())
     assert eps[best]["ttft_estimate_s"] == min(e["ttft_estimate_s"] for e in eps.values())
-    status, body = post_json(f"http://127.0.0.1:{envoy_stack.metrics_port}/debug/explain", {"prompt": "x"})
+    status, body = post_json(f"http://127.0.0.1:{envoy_stack.debug_port}/debug/explain", {"prompt": "x"})
     assert status == 400
 
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from picker._proto.kvpick.v1 import explain_pb2, explain_pb2_grpc
-from tests.support.procs import ROOT, Stack, post_json
+from tests.support.procs import ROOT, Stack, post_json, stack
 
 
 def test_generated_code_is_fresh(tmp_path: pathlib.Path) -> None:
@@ -26,7 +26,12 @@ def test_generated_code_is_fresh(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.envoy
-def test_grpc_explain_matches_http_explain(envoy_stack: Stack) -> None:
+def test_grpc_explain_matches_http_explain(tmp_path: pathlib.Path) -> None:
+    with stack(tmp_path, picker_args=("--enable-explain-grpc",)) as envoy_stack:
+        _explain_both_ways(envoy_stack)
+
+
+def _explain_both_ways(envoy_stack: Stack) -> None:
     doc = {"model": "m", "prompt": "An explainable prompt that spans a few blocks of text. " * 8}
     post_json(envoy_stack.url + "/v1/completions", doc)
     pem = ssl.get_server_certificate(("127.0.0.1", envoy_stack.grpc_port)).encode()
@@ -40,7 +45,7 @@ def test_grpc_explain_matches_http_explain(envoy_stack: Stack) -> None:
         with pytest.raises(grpc.RpcError) as err:
             stub.Explain(explain_pb2.ExplainRequest(body=b"{not json"), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    status, http_doc = post_json(f"http://127.0.0.1:{envoy_stack.metrics_port}/debug/explain", doc)
+    status, http_doc = post_json(f"http://127.0.0.1:{envoy_stack.debug_port}/debug/explain", doc)
     assert status == 200
     assert list(resp.chosen) == http_doc["chosen"]
     by_key = {e.endpoint: e for e in resp.endpoints}

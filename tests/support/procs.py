@@ -124,13 +124,15 @@ class Stack:
     grpc_port: int = 0
     health_port: int = 0
     metrics_port: int = 0
+    debug_port: int = 0
+    """The picker's debug API (started with ``--enable-debug-api`` on loopback)."""
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.envoy_port}"
 
     def endpoints(self) -> dict[str, Any]:
-        _, body, _ = http("GET", f"http://127.0.0.1:{self.metrics_port}/debug/endpoints")
+        _, body, _ = http("GET", f"http://127.0.0.1:{self.debug_port}/debug/endpoints")
         return dict(json.loads(body))
 
     def wait_in_flight_zero(self, timeout: float = 10.0) -> dict[str, Any]:
@@ -150,8 +152,9 @@ class Stack:
         for p in self.upstreams:
             wait_port(p, proc=proc)
 
-    def start_picker(self, *extra: str, endpoints: list[int] | None = None) -> None:
+    def start_picker(self, *extra: str, endpoints: list[int] | None = None, debug: bool = True) -> None:
         self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.debug_port = free_port()
         eps = ",".join(f"127.0.0.1:{p}" for p in (endpoints if endpoints is not None else self.upstreams))
         args = [
             PY,
@@ -167,6 +170,7 @@ class Stack:
             str(self.health_port),
             "--metrics-port",
             str(self.metrics_port),
+            *(["--enable-debug-api", "--debug-port", str(self.debug_port)] if debug else []),
             *extra,
         ]
         proc = self.procs.start("picker", args)

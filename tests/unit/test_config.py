@@ -93,3 +93,10 @@ def test_file_must_be_a_mapping(tmp_path: Path) -> None:
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     assert config.load_file(str(empty)) == config.RouterConfig()
+
+
+def test_objectives_take_plain_or_spec_priorities() -> None:
+    cfg = config.load({"objectives": {"batch": -1, "chat": {"priority": 10}}, "trust_gateway_headers": True})
+    assert dict(cfg.objectives) == {"batch": -1, "chat": 10} and cfg.trust_gateway_headers
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        config.load({"objectives": {"x": "high"}})

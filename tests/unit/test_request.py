@@ -99,8 +99,10 @@ def test_headers_model_rewrite_and_ids() -> None:
         "x-gateway-inference-fairness-id": "tenant",
     }
     req = _parse({"model": "m", "prompt": "p"}, headers=headers)
-    assert (req.model, req.request_id, req.session_id) == ("other", "rid", "s1")
+    assert (req.model, req.request_id, req.session_id) == ("m", "rid", "s1"), "rewrite untrusted"
     assert (req.objective, req.fairness_id) == ("obj", "tenant")
+    trusted, _ = parse(b'{"model": "m", "prompt": "p"}', "/v1/completions", headers, trust_rewrite=True)
+    assert trusted.model == "other"
 
 
 def test_request_id_generated_when_absent() -> None:

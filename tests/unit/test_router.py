@@ -10,7 +10,7 @@ import pytest
 from picker.config import IndexConfig, RouterConfig
 from picker.endpoints.pool import Pool
 from picker.endpoints.types import Endpoint, EndpointMetrics, Health
-from picker.errors import NoEndpoints
+from picker.errors import NoEndpoints, Overloaded
 from picker.request import InferenceRequest
 from picker.router import Router, Ticket
 from picker.scheduling.cost import CostScorer
@@ -330,3 +330,26 @@ def test_subset_limits_the_candidates() -> None:
     keys = [s.key for s in pool]
     picked = {router.route(req(f"p{i}"), subset={keys[1], keys[2]}).primary.key for i in range(12)}
     assert picked == {keys[1], keys[2]}
+
+
+def test_objective_priority_from_config_decides_who_is_shed() -> None:
+    router, pool, _ = make(2, objectives={"batch": -1, "chat": 5})
+    for s in pool:
+        s.metrics.waiting = 500  # every endpoint saturated
+    with pytest.raises(Overloaded):
+        router.route(req("x", objective="batch"))
+    for objective in ("chat", "", "unknown"):
+        d = router.route(req("x", objective=objective))
+        assert d.cycle.priority == router.cfg.objectives.get(objective, 0)
+    pool.get("127.0.0.1:8002").metrics.waiting = 100  # type: ignore[union-attr]
+    assert router.route(req("y", objective="chat")).primary.key == "127.0.0.1:8002"
+
+
+def test_any_ready_is_least_in_flight_within_subset() -> None:
+    router, pool, _ = make(3)
+    a, b, c = list(pool)
+    a.in_flight_requests, b.in_flight_requests, c.in_flight_requests = 3, 1, 0
+    assert router.any_ready() is c
+    assert router.any_ready({a.key, b.key}) is b
+    with pytest.raises(NoEndpoints):
+        router.any_ready(set())

@@ -43,9 +43,10 @@ def cycle(
     lora: str = "",
     session: str = "",
     prefill_rate: float = 0.0,
+    priority: int = 0,
 ) -> Cycle:
     req = InferenceRequest(model="m", routing_text="", lora=lora, session_id=session)
-    return Cycle(req, prompt_tokens, 16.0, n_blocks, matches or {}, 0.0, prefill_rate)
+    return Cycle(req, prompt_tokens, 16.0, n_blocks, matches or {}, 0.0, prefill_rate, priority)
 
 
 def ports(endpoints: list[EndpointState]) -> list[int]:
@@ -80,11 +81,13 @@ def test_not_saturated_filter(metrics: list[dict[str, float]], kept: list[int]) 
     assert ports(NotSaturatedFilter().filter(cycle(), eps)) == kept
 
 
-def test_not_saturated_sheds_with_429_when_all_saturated() -> None:
+def test_not_saturated_sheds_only_sheddable_requests_when_all_saturated() -> None:
     eps = [ep(1, waiting=64), ep(2, kv_usage=1.0, waiting=1)]
     with pytest.raises(Overloaded, match="all 2 endpoints are saturated") as info:
-        NotSaturatedFilter().filter(cycle(), eps)
+        NotSaturatedFilter().filter(cycle(priority=-1), eps)
     assert info.value.status == 429
+    for prio in (0, 5):  # not sheddable: the least-loaded endpoint
+        assert ports(NotSaturatedFilter().filter(cycle(priority=prio), eps)) == [2]
     assert ports(NotSaturatedFilter(shed=False).filter(cycle(), eps)) == [1, 2], "no shed: keep all"
     assert NotSaturatedFilter().filter(cycle(), []) == []
 
@@ -364,7 +367,7 @@ def test_profile_raises_when_filters_leave_nothing() -> None:
     with pytest.raises(NoEndpoints, match="filter 'ready' left none"):
         profile.run(cycle(), [ep(1, health=Health.UNREACHABLE)], 1)
     with pytest.raises(Overloaded):
-        profile.run(cycle(), [ep(1, waiting=100), ep(2, waiting=100)], 1)
+        profile.run(cycle(priority=-1), [ep(1, waiting=100), ep(2, waiting=100)], 1)
 
 
 def test_profile_rejects_misspelt_keys() -> None:

@@ -1,0 +1,71 @@
+"""The picker's lifecycle through a real Envoy: SIGTERM drains in-flight streams, readiness
+means "discovery synced" (an empty pool is ready and answers 503)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.support.procs import Procs, Stack, free_port, http, post_json, stack
+
+pytestmark = pytest.mark.envoy
+
+
+def _health(st: Stack, service: str) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{st.health_port}") as ch:
+        req = health_pb2.HealthCheckRequest(service=service)
+        return int(health_pb2_grpc.HealthStub(ch).Check(req, timeout=5).status)
+
+
+def test_sigterm_mid_stream_loses_no_chunk_and_exits(tmp_path: pathlib.Path) -> None:
+    chunks = 40
+    with stack(tmp_path, picker_args=("--drain-timeout", "60")) as st:
+        picker = next(p for n, p in st.procs.procs if n == "picker")
+        body = json.dumps(
+            {"model": "m", "prompt": "drain me", "stream": True, "chunks": chunks, "delay": 0.1}
+        ).encode()
+        got: list[tuple[int, bytes]] = []
+        t = threading.Thread(
+            target=lambda: got.append(http("POST", st.url + "/v1/completions", body, timeout=60)[:2])
+        )
+        t.start()
+        time.sleep(1.0)  # about 10 of the 40 events are through
+        picker.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert _health(st, "readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert picker.poll() is None, "the picker must wait for the in-flight stream"
+        t.join(timeout=60)
+        [(status, raw)] = got
+        events = [e for e in raw.decode().split("\n\n") if e]
+        assert status == 200 and events[-1] == "data: [DONE]", raw[-300:]
+        assert [json.loads(e[6:])["i"] for e in events[:-1]] == list(range(chunks)), "chunks lost"
+        assert picker.wait(timeout=15) == 0, st.procs.log("picker")
+        assert "drained" in st.procs.log("picker")
+
+
+def test_empty_pool_is_ready_and_answers_503(tmp_path: pathlib.Path) -> None:
+    """Readiness is "discovery has synced": with every replica down the picker stays in its
+    Service and clients get the protocol's 503, not a gateway error."""
+    procs = Procs(tmp_path)
+    st = Stack(procs, [free_port()])  # nothing listens on the upstream port
+    try:
+        st.start_picker("--scrape-interval", "0.05")
+        st.start_envoy()
+        deadline = time.monotonic() + 10
+        while st.endpoints()[f"127.0.0.1:{st.upstreams[0]}"]["health"] != "unreachable":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        for svc in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            assert _health(st, svc) == serving, svc
+        status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "x"})
+        assert status == 503 and body["error"]["type"] == "no_endpoints", body
+    finally:
+        procs.close()
