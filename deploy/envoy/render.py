@@ -1,44 +1,71 @@
 #!/usr/bin/env python3
 """Render an Envoy config for the kvpick picker (GIE endpoint-picker protocol, DESIGN §3).
 
-    python deploy/envoy/render.py -o deploy/envoy/envoy.yaml             # the committed default
+    python deploy/envoy/render.py -o deploy/envoy/envoy.yaml             # committed: the default
     python deploy/envoy/render.py --upstream pool --endpoints 127.0.0.1:8001,127.0.0.1:8002 \\
         -o deploy/envoy/envoy-fallback.yaml                              # committed: fallback retry
+    python deploy/envoy/render.py --failure-mode open --fallback 127.0.0.1:8001,127.0.0.1:8002 \\
+        -o deploy/envoy/envoy-failopen.yaml                              # committed: fail-open
 
 Upstreams:
 - ``original-dst`` (default, what GIE gateways do): an ORIGINAL_DST cluster keyed by the
   ``x-gateway-destination-endpoint`` header. Works for any endpoint set, but Envoy cannot try a
   fallback host within a request: a dead primary fails the request until the picker's scraper
-  marks it unreachable (about 3 scrape intervals).
+  marks it unreachable. A reset before the request went out is retried once (a stale pooled
+  connection), on the same host.
 - ``pool``: a STATIC cluster of the known endpoints with Envoy's ``override_host`` load-balancing
   policy, which reads the picker's ``envoy.lb`` metadata list (primary, then fallbacks). On a
-  connect failure Envoy retries the next host in the list. With fail-open, requests that the
-  picker did not answer are round-robined over the pool.
+  connect failure Envoy retries the next host in the list.
 
-Both strip a client-sent ``x-gateway-destination-endpoint`` before ext_proc runs.
+Security (every config): before ext_proc runs, a header_mutation filter removes every client-sent
+``x-gateway-destination-endpoint*`` (the header, ``-subset`` and ``-served``),
+``x-gateway-model-name-rewrite`` and ``x-envoy-*`` header, so only the picker steers routing and no
+client sets Envoy's retry or timeout knobs; ``use_remote_address: true`` makes Envoy append the real
+peer to ``x-forwarded-for`` instead of trusting the client's.
 
-Fail-open defaults to BUFFERED bodies: in FULL_DUPLEX_STREAMED mode Envoy streams body bytes to
-the processor before it learns the processor is unreachable, and then answers 500 even with
-``failure_mode_allow`` (seen with Envoy 1.40). BUFFERED holds the body until the headers are
-answered, so a dead picker is detected first and the request goes on without it.
+Failure mode (``failure_mode_allow``):
+- close: a request the picker does not answer fails (500 from Envoy).
+- open: it goes on without the picker. With ``pool`` the override_host policy falls back to
+  round-robin. With ``original-dst`` there is no header to route on, so a second route catches
+  requests that carry no ``x-gateway-destination-endpoint`` and sends them to a fallback cluster
+  (``--fallback host:port,...``: the model servers' Service, or their addresses; required).
+  Fail-open needs BUFFERED request bodies: in FULL_DUPLEX_STREAMED mode Envoy streams body bytes to
+  the processor before it learns the processor is unreachable, and then answers 500 even with
+  ``failure_mode_allow`` (checked with Envoy 1.40). BUFFERED holds the body until the headers are
+  answered, so the listener's buffer limit is raised to the picker's body limit.
+
+Response bodies are never BUFFERED: SSE stays streamed. The default FULL_DUPLEX_STREAMED passes
+each chunk through the picker (it sees the first token); NONE keeps the picker off the response
+body entirely (the ext_proc stream still ends with the HTTP stream, which ends its accounting).
+
+Timeouts: no total route timeout (a generation may stream for many minutes); a stream with no bytes
+either way for ``--stream-idle-timeout`` (300 s, GIE's HTTPRoute request timeout) is reset; request
+headers must arrive in 10 s; idle downstream connections close after 300 s and idle upstream ones
+after 60 s; upstream TCP keepalive (10 s idle, 3 probes 5 s apart) detects a vanished host in
+about 25 s even mid-stream.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import sys
 from typing import Any
 
 import yaml
 
 DEST = "x-gateway-destination-endpoint"
+REWRITE = "x-gateway-model-name-rewrite"
+MAX_BODY = 8 * 1024 * 1024
+"""The picker's default --max-body-bytes."""
+_T = "type.googleapis.com/envoy.extensions."
 
 
-def _ext_proc(picker: str, tls: bool, failure_open: bool, body_mode: str) -> dict[str, Any]:
+def _ext_proc(picker: str, failure_open: bool, request_mode: str, response_mode: str) -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "@type": _T + "filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {
                 "envoy_grpc": {"cluster_name": "kvpick_picker", "authority": picker},
                 "timeout": "10s",
@@ -49,8 +76,8 @@ def _ext_proc(picker: str, tls: bool, failure_open: bool, body_mode: str) -> dic
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "response_header_mode": "SEND",
-                "request_body_mode": body_mode,
-                "response_body_mode": body_mode,
+                "request_body_mode": request_mode,
+                "response_body_mode": response_mode,
                 "request_trailer_mode": "SEND",
                 "response_trailer_mode": "SEND",
             },
@@ -58,19 +85,40 @@ def _ext_proc(picker: str, tls: bool, failure_open: bool, body_mode: str) -> dic
     }
 
 
-def _strip_header() -> dict[str, Any]:
+def _strip_headers() -> dict[str, Any]:
+    """Client-sent routing headers never reach ext_proc, the router or the upstream."""
+    prefix = [DEST, "x-envoy-"]
+    mutations: list[dict[str, Any]] = [
+        {"remove_on_match": {"key_matcher": {"prefix": p, "ignore_case": True}}} for p in prefix
+    ]
+    mutations.append({"remove": REWRITE})
     return {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {"request_mutations": [{"remove": DEST}]},
+            "@type": _T + "filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": mutations},
         },
     }
 
 
 def _addr(hostport: str) -> dict[str, Any]:
     host, _, port = hostport.rpartition(":")
-    return {"socket_address": {"address": host, "port_value": int(port)}}
+    return {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}
+
+
+def _is_ip(hostport: str) -> bool:
+    try:
+        ipaddress.ip_address(hostport.rpartition(":")[0].strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def _load_assignment(name: str, endpoints: list[str]) -> dict[str, Any]:
+    return {
+        "cluster_name": name,
+        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(e)}} for e in endpoints]}],
+    }
 
 
 def _picker_cluster(picker: str, tls: bool) -> dict[str, Any]:
@@ -81,88 +129,184 @@ def _picker_cluster(picker: str, tls: bool) -> dict[str, Any]:
         "lb_policy": "ROUND_ROBIN",
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "@type": _T + "upstreams.http.v3.HttpProtocolOptions",
                 "explicit_http_config": {"http2_protocol_options": {}},
             }
         },
-        "load_assignment": {
-            "cluster_name": "kvpick_picker",
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(picker)}}]}],
-        },
+        "load_assignment": _load_assignment("kvpick_picker", [picker]),
     }
     if tls:
         c["transport_socket"] = {
             "name": "envoy.transport_sockets.tls",
             "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "@type": _T + "transport_sockets.tls.v3.UpstreamTlsContext",
                 "common_tls_context": {"alpn_protocols": ["h2"]},
             },
         }
     return c
 
 
-def _upstream_cluster(upstream: str, endpoints: list[str]) -> dict[str, Any]:
-    if upstream == "original-dst":
-        return {
-            "name": "kvpick_upstream",
-            "type": "ORIGINAL_DST",
-            "connect_timeout": "2s",
-            "lb_policy": "CLUSTER_PROVIDED",
-            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DEST},
-            "circuit_breakers": {
-                "thresholds": [
-                    {"max_connections": 40000, "max_pending_requests": 40000, "max_requests": 40000}
-                ]
-            },
-        }
-    assert endpoints, "--upstream pool needs --endpoints"
+def _model_server_cluster(name: str, retries_budget: int) -> dict[str, Any]:
+    """What every cluster of model servers shares: timeouts, keepalive, limits."""
     return {
-        "name": "kvpick_upstream",
-        "type": "STATIC",
+        "name": name,
         "connect_timeout": "2s",
+        "upstream_connection_options": {
+            "tcp_keepalive": {"keepalive_time": 10, "keepalive_interval": 5, "keepalive_probes": 3}
+        },
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _T + "upstreams.http.v3.HttpProtocolOptions",
+                "common_http_protocol_options": {"idle_timeout": "60s"},
+                "explicit_http_config": {"http_protocol_options": {}},
+            }
+        },
         "circuit_breakers": {
             "thresholds": [
                 {
                     "max_connections": 40000,
                     "max_pending_requests": 40000,
                     "max_requests": 40000,
-                    "max_retries": 1024,
+                    "max_retries": retries_budget,
                 }
             ]
-        },
-        "load_balancing_policy": {
-            "policies": [
-                {
-                    "typed_extension_config": {
-                        "name": "envoy.load_balancing_policies.override_host",
-                        "typed_config": {
-                            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-                            "override_host_sources": [
-                                {"metadata": {"key": "envoy.lb", "path": [{"key": DEST}]}},
-                                {"header": DEST},
-                            ],
-                            "fallback_policy": {
-                                "policies": [
-                                    {
-                                        "typed_extension_config": {
-                                            "name": "envoy.load_balancing_policies.round_robin",
-                                            "typed_config": {
-                                                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
-                                            },
-                                        }
-                                    }
-                                ]
-                            },
-                        },
-                    }
-                }
-            ]
-        },
-        "load_assignment": {
-            "cluster_name": "kvpick_upstream",
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(e)}} for e in endpoints]}],
         },
     }
+
+
+def _lb_policy(name: str, typed: str) -> dict[str, Any]:
+    return {"typed_extension_config": {"name": name, "typed_config": {"@type": _T + typed}}}
+
+
+def _original_dst_cluster() -> dict[str, Any]:
+    c = _model_server_cluster("kvpick_upstream", 1024)
+    c.update(
+        type="ORIGINAL_DST",
+        lb_policy="CLUSTER_PROVIDED",
+        original_dst_lb_config={"use_http_header": True, "http_header_name": DEST},
+    )
+    return c
+
+
+def _pool_cluster(endpoints: list[str]) -> dict[str, Any]:
+    override = {
+        "typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": _T + "load_balancing_policies.override_host.v3.OverrideHost",
+                "override_host_sources": [
+                    {"metadata": {"key": "envoy.lb", "path": [{"key": DEST}]}},
+                    {"header": DEST},
+                ],
+                "fallback_policy": {
+                    "policies": [
+                        _lb_policy(
+                            "envoy.load_balancing_policies.round_robin",
+                            "load_balancing_policies.round_robin.v3.RoundRobin",
+                        )
+                    ]
+                },
+            },
+        }
+    }
+    c = _model_server_cluster("kvpick_upstream", 1024)
+    c.update(
+        type="STATIC",
+        load_balancing_policy={"policies": [override]},
+        load_assignment=_load_assignment("kvpick_upstream", endpoints),
+    )
+    return c
+
+
+def _fallback_cluster(fallback: list[str]) -> dict[str, Any]:
+    """Fail-open with ORIGINAL_DST: where a request the picker never saw goes (least request)."""
+    c = _model_server_cluster("kvpick_fallback", 1024)
+    c.update(
+        type="STATIC" if all(_is_ip(e) for e in fallback) else "STRICT_DNS",
+        lb_policy="LEAST_REQUEST",
+        load_assignment=_load_assignment("kvpick_fallback", fallback),
+    )
+    return c
+
+
+def _retry_policy(retry_on: str, retries: int, other_hosts: bool) -> dict[str, Any]:
+    policy: dict[str, Any] = {"retry_on": retry_on, "num_retries": retries}
+    if other_hosts:
+        policy["retry_host_predicate"] = [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {"@type": _T + "retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+            }
+        ]
+        policy["host_selection_retry_max_attempts"] = 5
+    return policy
+
+
+CONNECT_RETRY = "connect-failure,refused-stream,reset-before-request"
+
+
+def _route(cluster: str, idle: str, retry: dict[str, Any], header: str | None = None) -> dict[str, Any]:
+    match: dict[str, Any] = {"prefix": "/"}
+    if header:
+        match["headers"] = [{"name": header, "present_match": True}]
+    action = {"cluster": cluster, "timeout": "0s", "idle_timeout": idle, "retry_policy": retry}
+    return {"match": match, "route": action}
+
+
+def _routes(upstream: str, retries: int, idle: str, fallback: list[str]) -> list[dict[str, Any]]:
+    if upstream == "pool":  # override_host: each retry takes the next host of the picker's list
+        return [_route("kvpick_upstream", idle, _retry_policy(CONNECT_RETRY, retries, True))]
+    # ORIGINAL_DST has one host per request: retry a reset before the request went out, once.
+    routes = [_route("kvpick_upstream", idle, _retry_policy("reset-before-request", 1, False), DEST)]
+    if fallback:  # no destination header: the picker did not answer (fail-open)
+        routes.append(_route("kvpick_fallback", idle, _retry_policy(CONNECT_RETRY, retries, True)))
+    return routes
+
+
+def _hcm(routes: list[dict[str, Any]], ext_proc: dict[str, Any], idle: str) -> dict[str, Any]:
+    return {
+        "@type": _T + "filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "kvpick",
+        "codec_type": "AUTO",
+        "use_remote_address": True,
+        "stream_idle_timeout": idle,
+        "request_headers_timeout": "10s",
+        "common_http_protocol_options": {"idle_timeout": "300s"},
+        "route_config": {
+            "name": "kvpick",
+            "virtual_hosts": [{"name": "kvpick", "domains": ["*"], "routes": routes}],
+        },
+        "http_filters": [
+            _strip_headers(),
+            ext_proc,
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": _T + "filters.http.router.v3.Router",
+                    "suppress_envoy_headers": True,
+                },
+            },
+        ],
+    }
+
+
+def _check(
+    failure_open: bool,
+    body_mode: str,
+    response_body_mode: str,
+    upstream: str,
+    endpoints: list[str] | None,
+    fallback: list[str] | None,
+) -> None:
+    """Refuse the combinations that render a config which cannot work (ValueError says which)."""
+    if response_body_mode == "BUFFERED":
+        raise ValueError("a BUFFERED response body would hold SSE streams until generation ends")
+    if failure_open and body_mode == "FULL_DUPLEX_STREAMED":
+        raise ValueError("fail-open needs BUFFERED request bodies (FULL_DUPLEX_STREAMED 500s, picker down)")
+    if failure_open and upstream == "original-dst" and not fallback:
+        raise ValueError("fail-open with ORIGINAL_DST needs --fallback: without the header there is no host")
+    if upstream == "pool" and not endpoints:
+        raise ValueError("--upstream pool needs --endpoints")
 
 
 def render(
@@ -175,70 +319,49 @@ def render(
     endpoints: list[str] | None = None,
     admin_port: int = 9901,
     retries: int = 2,
+    response_body_mode: str = "FULL_DUPLEX_STREAMED",
+    fallback: list[str] | None = None,
+    stream_idle_timeout: str = "300s",
+    max_body_bytes: int = MAX_BODY,
 ) -> dict[str, Any]:
-    route: dict[str, Any] = {"cluster": "kvpick_upstream", "timeout": "0s", "idle_timeout": "3600s"}
-    if upstream == "pool":
-        route["retry_policy"] = {
-            "retry_on": "connect-failure,refused-stream,reset-before-request",
-            "num_retries": retries,
-            "retry_host_predicate": [
-                {
-                    "name": "envoy.retry_host_predicates.previous_hosts",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
-                    },
-                }
-            ],
-            "host_selection_retry_max_attempts": 5,
-        }
-    hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        "stat_prefix": "kvpick",
-        "codec_type": "AUTO",
-        "stream_idle_timeout": "3600s",
-        "route_config": {
-            "name": "kvpick",
-            "virtual_hosts": [
-                {"name": "kvpick", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}]}
-            ],
-        },
-        "http_filters": [
-            _strip_header(),
-            _ext_proc(picker, tls, failure_open, body_mode),
+    """The whole Envoy bootstrap. ``body_mode`` is the request body's; see the module doc."""
+    _check(failure_open, body_mode, response_body_mode, upstream, endpoints, fallback)
+    routes = _routes(upstream, retries, stream_idle_timeout, (fallback or []) if failure_open else [])
+    ext_proc = _ext_proc(picker, failure_open, body_mode, response_body_mode)
+    listener: dict[str, Any] = {
+        "name": "kvpick",
+        "address": {"socket_address": {"address": "0.0.0.0", "port_value": listen_port}},
+        "filter_chains": [
             {
-                "name": "envoy.filters.http.router",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router",
-                    "suppress_envoy_headers": True,
-                },
-            },
+                "filters": [
+                    {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": _hcm(routes, ext_proc, stream_idle_timeout),
+                    }
+                ]
+            }
         ],
     }
+    if body_mode == "BUFFERED":  # the whole body is held in Envoy: allow what the picker allows
+        listener["per_connection_buffer_limit_bytes"] = max_body_bytes + 64 * 1024
+    clusters = [_picker_cluster(picker, tls)]
+    clusters.append(_pool_cluster(endpoints or []) if upstream == "pool" else _original_dst_cluster())
+    if failure_open and upstream == "original-dst":
+        clusters.append(_fallback_cluster(fallback or []))
     return {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "kvpick",
-                    "address": {"socket_address": {"address": "0.0.0.0", "port_value": listen_port}},
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
-                            ]
-                        }
-                    ],
-                }
-            ],
-            "clusters": [_picker_cluster(picker, tls), _upstream_cluster(upstream, endpoints or [])],
-        },
+        "static_resources": {"listeners": [listener], "clusters": clusters},
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def _split(text: str) -> list[str]:
+    return [e for e in text.split(",") if e]
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--listen-port", type=int, default=8080)
-    p.add_argument("--admin-port", type=int, default=9901)
+    p.add_argument("--admin-port", type=int, default=9901, help="bound to 127.0.0.1")
     p.add_argument("--picker", default="127.0.0.1:9002", help="picker ext_proc address ip:port")
     p.add_argument(
         "--plaintext", action="store_true", help="talk to the picker without TLS (--secure-serving=false)"
@@ -253,23 +376,48 @@ def main(argv: list[str] | None = None) -> int:
         "--body-mode",
         choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],
         default=None,
-        help="default: FULL_DUPLEX_STREAMED for fail-close, BUFFERED for fail-open (see the module doc)",
+        help="request body: FULL_DUPLEX_STREAMED for fail-close (default), BUFFERED (needed) for fail-open",
+    )
+    p.add_argument(
+        "--response-body-mode",
+        choices=["FULL_DUPLEX_STREAMED", "NONE"],
+        default="FULL_DUPLEX_STREAMED",
+        help="response body: streamed through the picker, or not sent to it at all",
     )
     p.add_argument("--upstream", choices=["original-dst", "pool"], default="original-dst")
     p.add_argument("--endpoints", default="", help="ip:port,... (needed for --upstream pool)")
-    p.add_argument("-o", "--output", default="-")
-    a = p.parse_args(argv)
-    body_mode = a.body_mode or ("BUFFERED" if a.failure_mode == "open" else "FULL_DUPLEX_STREAMED")
-    doc = render(
-        a.listen_port,
-        a.picker,
-        not a.plaintext,
-        a.failure_mode == "open",
-        body_mode,
-        a.upstream,
-        [e for e in a.endpoints.split(",") if e],
-        a.admin_port,
+    p.add_argument(
+        "--fallback",
+        default="",
+        help="host:port,... where fail-open sends requests with ORIGINAL_DST (e.g. the replicas' Service)",
     )
+    p.add_argument("--stream-idle-timeout", default="300s", help="reset a stream idle this long")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY, help="the picker's --max-body-bytes")
+    p.add_argument("-o", "--output", default="-")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    failure_open = a.failure_mode == "open"
+    body_mode = a.body_mode or ("BUFFERED" if failure_open else "FULL_DUPLEX_STREAMED")
+    try:
+        doc = render(
+            a.listen_port,
+            a.picker,
+            not a.plaintext,
+            failure_open,
+            body_mode,
+            a.upstream,
+            _split(a.endpoints),
+            a.admin_port,
+            response_body_mode=a.response_body_mode,
+            fallback=_split(a.fallback),
+            stream_idle_timeout=a.stream_idle_timeout,
+            max_body_bytes=a.max_body_bytes,
+        )
+    except ValueError as err:
+        parser().error(str(err))
     text = "# Generated by deploy/envoy/render.py; edit that, not this.\n" + yaml.safe_dump(
         doc, sort_keys=False
     )

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import collections
 import pathlib
+import subprocess
 import time
 
 import pytest
+import yaml
 
-from tests.support.procs import Stack, http, post_json, stack
+from tests.support.procs import PY, ROOT, Procs, Stack, free_port, http, post_json
 
 pytestmark = pytest.mark.envoy
 
@@ -76,7 +78,9 @@ def test_bodiless_get_goes_to_a_ready_endpoint(envoy_stack: Stack) -> None:
     assert status == 200 and b"served_by" in body
 
 
-def test_client_model_rewrite_header_is_ignored(envoy_stack: Stack) -> None:
+def test_client_sent_model_rewrite_header_is_stripped(envoy_stack: Stack) -> None:
+    """Only the gateway may rewrite the model: Envoy drops the client's header before ext_proc (the
+    picker's rewrite itself is tested in test_exchange.py)."""
     status, body = post_json(
         envoy_stack.url + "/v1/completions",
         {"model": "m", "prompt": "hi"},
@@ -85,14 +89,41 @@ def test_client_model_rewrite_header_is_ignored(envoy_stack: Stack) -> None:
     assert status == 200 and body["model"] == "m"
 
 
-def test_model_rewrite_header_rewrites_the_body_when_the_gateway_is_trusted(tmp_path: pathlib.Path) -> None:
-    with stack(tmp_path, picker_args=("--trust-gateway-headers", "true")) as st:
-        status, body = post_json(
-            st.url + "/v1/completions",
-            {"model": "m", "prompt": "hi"},
-            headers={"x-gateway-model-name-rewrite": "m-lora"},
+def test_model_rewrite_set_by_a_trusted_gateway_rewrites_the_body(tmp_path: pathlib.Path) -> None:
+    """The gateway's own header (here a filter after the client-header strip, as an HTTPRoute's
+    model rewrite would be) reaches the picker, which trusts it with --trust-gateway-headers."""
+    procs = Procs(tmp_path)
+    st = Stack(procs, [free_port(), free_port()])
+    try:
+        st.start_upstreams()
+        st.start_picker("--trust-gateway-headers", "true")
+        st.envoy_port = free_port()
+        args = ["--listen-port", str(st.envoy_port), "--admin-port", str(free_port())]
+        args += ["--picker", f"127.0.0.1:{st.grpc_port}"]
+        doc = yaml.safe_load(
+            subprocess.run(
+                [PY, str(ROOT / "deploy/envoy/render.py"), *args], check=True, capture_output=True, text=True
+            ).stdout
         )
-        assert status == 200 and body["model"] == "m-lora"
+        hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        gateway_rewrite = {
+            "name": "gateway.model_rewrite",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                "mutations": {"request_mutations": [{"append": {
+                    "header": {"key": "x-gateway-model-name-rewrite", "value": "m-lora"},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]},
+            },
+        }  # fmt: skip
+        hcm["http_filters"].insert(1, gateway_rewrite)  # after the strip, before ext_proc
+        st.start_envoy(config=yaml.safe_dump(doc))
+        deadline = time.monotonic() + 20
+        while (got := post_json(st.url + "/v1/completions", {"model": "m", "prompt": "hi"}))[0] != 200:
+            assert time.monotonic() < deadline, got
+            time.sleep(0.2)
+        assert got[1]["model"] == "m-lora"
+    finally:
+        procs.close()
 
 
 def test_in_flight_returns_to_zero(envoy_stack: Stack) -> None:

@@ -96,6 +96,12 @@ class Procs:
             if n == name and proc.poll() is None:
                 _kill(proc)
 
+    def signal(self, name: str, sig: signal.Signals) -> subprocess.Popen[bytes]:
+        """Send ``sig`` to the named process's group (SIGKILL, SIGSTOP, SIGCONT, SIGTERM)."""
+        proc = next(p for n, p in reversed(self.procs) if n == name)
+        os.killpg(proc.pid, sig)
+        return proc
+
     def close(self) -> None:
         for _, proc in reversed(self.procs):
             _kill(proc)
@@ -105,6 +111,7 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGCONT)  # a SIGSTOPped process cannot act on SIGTERM
         os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=10)
@@ -153,8 +160,11 @@ class Stack:
             wait_port(p, proc=proc)
 
     def start_picker(self, *extra: str, endpoints: list[int] | None = None, debug: bool = True) -> None:
-        self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.debug_port = free_port()
+        # A restarted picker keeps its ports, so a running Envoy finds it again.
+        self.grpc_port = self.grpc_port or free_port()
+        self.health_port = self.health_port or free_port()
+        self.metrics_port = self.metrics_port or free_port()
+        self.debug_port = self.debug_port or free_port()
         eps = ",".join(f"127.0.0.1:{p}" for p in (endpoints if endpoints is not None else self.upstreams))
         args = [
             PY,

@@ -1,0 +1,180 @@
+"""The shipped Envoy configs: committed YAML equals render.py's output, every config carries the
+hardening (header stripping, use_remote_address, timeouts, streamed responses), render.py refuses
+configs that cannot work, and fail-open/SSE behave as documented through a real Envoy."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import socket
+import subprocess
+import time
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.support import envoy_configs
+from tests.support.envoy_configs import ALL, KIND, SHIPPED
+from tests.support.procs import PY, ROOT, Procs, Stack, free_port, http, post_json
+
+pytestmark = pytest.mark.envoy
+RENDER = str(ROOT / "deploy/envoy/render.py")
+
+
+def _config(name: str) -> dict[str, Any]:
+    if name == KIND:
+        return envoy_configs.kind_config("kvpick-picker.kvpick.svc.cluster.local:9002", 8080, 9901)
+    return dict(yaml.safe_load((ROOT / "deploy/envoy" / name).read_text()))
+
+
+def _hcm(cfg: dict[str, Any]) -> dict[str, Any]:
+    return dict(cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"])
+
+
+@pytest.mark.parametrize("name", list(SHIPPED))
+def test_committed_config_is_its_rendering(name: str, tmp_path: pathlib.Path) -> None:
+    out = tmp_path / name
+    subprocess.run([PY, RENDER, *SHIPPED[name], "-o", str(out)], check=True)
+    assert out.read_text() == (ROOT / "deploy/envoy" / name).read_text(), (
+        f"deploy/envoy/{name} is stale: run `python deploy/envoy/render.py "
+        f"{' '.join(SHIPPED[name])} -o deploy/envoy/{name}`"
+    )
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_shipped_config_is_hardened(name: str) -> None:
+    cfg = _config(name)
+    hcm = _hcm(cfg)
+    assert hcm["use_remote_address"] is True
+    strip, ext_proc, router = hcm["http_filters"]
+    assert ext_proc["name"] == "envoy.filters.http.ext_proc" and router["name"].endswith("router")
+    removed = strip["typed_config"]["mutations"]["request_mutations"]
+    prefixes = {m["remove_on_match"]["key_matcher"]["prefix"] for m in removed if "remove_on_match" in m}
+    assert prefixes == {"x-gateway-destination-endpoint", "x-envoy-"}
+    assert {m["remove"] for m in removed if "remove" in m} == {"x-gateway-model-name-rewrite"}
+    proc = ext_proc["typed_config"]
+    mode = proc["processing_mode"]
+    assert mode["response_body_mode"] != "BUFFERED", "SSE would be held to the end"
+    if proc["failure_mode_allow"]:
+        assert mode["request_body_mode"] == "BUFFERED"
+    assert hcm["stream_idle_timeout"] == "300s" and hcm["request_headers_timeout"] == "10s"
+    for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+        assert route["route"]["timeout"] == "0s" and route["route"]["idle_timeout"] == "300s"
+        assert "retry_policy" in route["route"]
+    clusters = [c for c in cfg["static_resources"]["clusters"] if c["name"] != "kvpick_picker"]
+    for c in clusters:
+        assert c["upstream_connection_options"]["tcp_keepalive"]["keepalive_time"] == 10
+        opts = c["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        assert opts["common_http_protocol_options"]["idle_timeout"] == "60s"
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["--failure-mode", "open"], "needs --fallback"),
+        (
+            ["--failure-mode", "open", "--fallback", "10.0.0.1:8000", "--body-mode", "FULL_DUPLEX_STREAMED"],
+            "BUFFERED",
+        ),
+        (["--upstream", "pool"], "needs --endpoints"),
+    ],
+)
+def test_render_refuses_configs_that_cannot_work(args: list[str], why: str) -> None:
+    proc = subprocess.run([PY, RENDER, *args], capture_output=True, text=True)
+    assert proc.returncode == 2 and why in proc.stderr, proc.stderr
+
+
+def test_fallback_by_dns_name_is_strict_dns() -> None:
+    text = subprocess.run(
+        [PY, RENDER, "--failure-mode", "open", "--fallback", "vllm.ns.svc.cluster.local:8000"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    [fallback] = [
+        c for c in yaml.safe_load(text)["static_resources"]["clusters"] if c["name"] == "kvpick_fallback"
+    ]
+    assert fallback["type"] == "STRICT_DNS"
+
+
+def _stack(tmp: pathlib.Path, name: str, *extra: str) -> Stack:
+    st = Stack(Procs(tmp), [free_port(), free_port()])
+    st.start_upstreams()
+    st.start_picker()
+    envoy_configs.start_envoy(st, name, *extra)
+    deadline = time.monotonic() + 20
+    while post_json(st.url + "/v1/completions", {"model": "m", "prompt": "w"})[0] != 200:
+        assert time.monotonic() < deadline, st.procs.log("envoy")
+        time.sleep(0.2)
+    return st
+
+
+def test_fail_open_original_dst_serves_with_the_picker_killed(tmp_path: pathlib.Path) -> None:
+    """The issue's bug: fail-open with ORIGINAL_DST answered 503 to everything while the picker was
+    down. Now requests without a destination header take the fallback route."""
+    st = _stack(tmp_path, "envoy-failopen.yaml")
+    try:
+        st.procs.signal("picker", signal.SIGKILL).wait(10)
+        served = set()
+        for i in range(6):
+            status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": f"down {i}"})
+            assert status == 200, (status, body)
+            served.add(body["served_by"])
+            assert body["dest_header"] == "", "no picker, so no destination header"
+        assert served == set(st.upstreams), f"least-request over both: {served}"
+        status, body, _ = http("GET", st.url + "/v1/models")
+        assert status == 200 and b"served_by" in body
+        assert _first_event_delay(st) < 1.0
+        st.start_picker()  # back on the same ports: routing through the picker resumes
+        deadline = time.monotonic() + 20
+        while True:
+            status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "back"})
+            assert status == 200, (status, body)
+            if body["dest_header"]:
+                break
+            assert time.monotonic() < deadline, "Envoy never went back to the picker"
+            time.sleep(0.2)
+    finally:
+        st.procs.close()
+
+
+def _first_event_delay(st: Stack, chunks: int = 10, delay: float = 0.3) -> float:
+    """Seconds from sending a streamed request to reading its first SSE event, checking the stream
+    then runs to [DONE]; a buffered response would arrive only after chunks × delay."""
+    body = json.dumps(
+        {"model": "m", "prompt": "sse", "stream": True, "chunks": chunks, "delay": delay}
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", st.envoy_port), timeout=30) as s:
+        s.sendall(head + body)
+        got, first = b"", None
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+            if first is None and b"data:" in got:
+                first = time.monotonic() - start
+    assert b"data: [DONE]" in got, got[-300:]
+    assert first is not None
+    return first
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("response", ["FULL_DUPLEX_STREAMED", "NONE"])
+def test_sse_stays_streamed(name: str, response: str, tmp_path: pathlib.Path) -> None:
+    if name == KIND and response == "NONE":
+        pytest.skip("the kind config renders the default response mode only")
+    extra = () if name == KIND else ("--response-body-mode", response)
+    st = _stack(tmp_path, name, *extra)
+    try:
+        assert _first_event_delay(st) < 1.0, "the first event waited for the whole stream (3 s)"
+        st.wait_in_flight_zero()
+    finally:
+        st.procs.close()

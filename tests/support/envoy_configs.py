@@ -1,0 +1,56 @@
+"""Every Envoy config the project ships, as render.py arguments, and the same configs pointed at a
+test stack's ports (the committed files name 127.0.0.1:8001,8002 and the picker at :9002)."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from typing import Any
+
+import yaml
+
+from tests.support.procs import Stack, free_port
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONTRACT = "127.0.0.1:8001,127.0.0.1:8002"
+"""The endpoints the committed configs name: the README's picker/replica pair."""
+
+SHIPPED: dict[str, list[str]] = {
+    "envoy.yaml": [],
+    "envoy-fallback.yaml": ["--upstream", "pool", "--endpoints", CONTRACT],
+    "envoy-failopen.yaml": ["--failure-mode", "open", "--fallback", CONTRACT],
+}
+"""deploy/envoy/<name>: the render.py arguments that produce it (besides ``-o``)."""
+
+KIND = "kind"
+"""deploy/kind/envoy_manifest.py's config: render.py's default with a STRICT_DNS picker."""
+
+ALL = [*SHIPPED, KIND]
+
+
+def local_args(name: str, upstreams: list[int]) -> list[str]:
+    """render.py arguments for shipped config ``name`` with the test's upstream ports."""
+    eps = ",".join(f"127.0.0.1:{p}" for p in upstreams)
+    return [eps if a == CONTRACT else a for a in SHIPPED[name]]
+
+
+def kind_config(picker: str, listen_port: int, admin_port: int) -> dict[str, Any]:
+    sys.path.insert(0, str(ROOT / "deploy" / "kind"))
+    import envoy_manifest
+
+    cfg: dict[str, Any] = envoy_manifest.envoy_config(picker, tls=True, listen_port=listen_port)
+    cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    return cfg
+
+
+def kind_config_text(picker_port: int, listen_port: int, admin_port: int) -> str:
+    return yaml.safe_dump(kind_config(f"localhost:{picker_port}", listen_port, admin_port), sort_keys=False)
+
+
+def start_envoy(st: Stack, name: str, *extra: str) -> None:
+    """Start Envoy on ``st`` with shipped config ``name`` (its picker must be up)."""
+    if name == KIND:
+        st.envoy_port = st.envoy_port or free_port()
+        st.start_envoy(config=kind_config_text(st.grpc_port, st.envoy_port, free_port()))
+    else:
+        st.start_envoy(*local_args(name, st.upstreams), *extra)
