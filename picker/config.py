@@ -10,6 +10,7 @@ Example ``--config-file``::
     fallbacks: 0           # 2 behind an override_host upstream (deploy/envoy/envoy-fallback.yaml)
     max_body_bytes: 8388608
     scrape: {interval_s: 0.2, timeout_s: 1.0, stale_after_s: 2.0, unreachable_after: 3}
+    prefix: {mode: auto, kv_events_port: 5557, tokenizer: /models/llama}   # precise: KV events
     profiles:              # add or override policies; built-ins: cost, weighted, round-robin, least-loaded
       my-policy:
         filters: [{type: ready}, {type: not-saturated, params: {max_waiting: 32}}]
@@ -61,12 +62,55 @@ class ScrapeConfig:
     """Consecutive failed scrapes before an endpoint is marked unreachable."""
 
 
+PREFIX_MODES = ("approximate", "precise", "auto")
+
+
+@dataclass(frozen=True)
+class PrefixConfig:
+    """Where prefix matches come from (README "Approximate and precise prefix matching").
+
+    - ``approximate``: the picker's own record of what it sent where (text blocks, per-endpoint LRU).
+    - ``precise``: the replicas' KV events (token blocks as the engine caches them) for every
+      endpoint not re-syncing after an unrecoverable gap; approximate for the rest.
+    - ``auto``: precise for endpoints whose events have been seen in order, approximate otherwise.
+    Precise matching needs token ids: the request's own, or ``tokenizer`` (a directory holding
+    ``tokenizer.json`` and ``tokenizer_config.json``, or a ``tokenizer.json`` path)."""
+
+    mode: str = "approximate"
+    kv_events_port: int = 5557
+    """vLLM's ``--kv-events-config`` ``endpoint`` port, the same on every replica."""
+    kv_events_replay_port: int = 0
+    """vLLM's ``replay_endpoint`` port (0: no replay; a gap then drops the endpoint's entries)."""
+    kv_events_topic: str = ""
+    """Topic prefix subscribed to ("" takes every topic)."""
+    block_size: int = 0
+    """Tokens per KV block; 0 learns it from the events (they carry it)."""
+    speculative_ttl_s: float = 2.0
+    """How long a pick counts as cached on its endpoint before the replica's events confirm it."""
+    refill_s: float = 30.0
+    """After a gap without replay, how long an endpoint is routed approximately."""
+    max_blocks_per_endpoint: int = 1_000_000
+    """Bound on indexed blocks per endpoint (about 150 B each); past it the endpoint is dropped."""
+    tokenizer: str = ""
+
+    def __post_init__(self) -> None:
+        if self.mode not in PREFIX_MODES:
+            raise ValueError(f"prefix.mode must be one of {', '.join(PREFIX_MODES)}, got {self.mode!r}")
+        if not 0 < self.kv_events_port < 65536 or not 0 <= self.kv_events_replay_port < 65536:
+            raise ValueError("prefix.kv_events_port / kv_events_replay_port must be TCP ports")
+        if self.block_size < 0 or self.speculative_ttl_s < 0 or self.refill_s < 0:
+            raise ValueError("prefix.block_size, speculative_ttl_s and refill_s must be >= 0")
+        if self.max_blocks_per_endpoint < 1:
+            raise ValueError("prefix.max_blocks_per_endpoint must be >= 1")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     policy: str = "cost"
     hashing: HashConfig = field(default_factory=HashConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
     fallbacks: int = 0
     """Endpoints named after the primary. The destination header and the ``envoy.lb`` metadata
     carry the same value (the protocol forbids two), ``primary[,fallback…]``. Envoy's
@@ -111,6 +155,7 @@ def load(raw: Mapping[str, Any] | None, base: RouterConfig | None = None) -> Rou
         "hashing": (HashConfig, base.hashing),
         "index": (IndexConfig, base.index),
         "scrape": (ScrapeConfig, base.scrape),
+        "prefix": (PrefixConfig, base.prefix),
     }
     for key, (cls, cur) in sub.items():
         if key in raw:

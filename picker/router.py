@@ -22,9 +22,11 @@ from picker.config import RouterConfig, build_profile
 from picker.endpoints.pool import Pool
 from picker.endpoints.types import EndpointState
 from picker.errors import NoEndpoints
+from picker.prefix.events import State, Sync
 from picker.prefix.hashing import seed_for
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memo import HashMemo
+from picker.prefix.precise import PreciseIndex, request_keys
 from picker.request import InferenceRequest
 from picker.scheduling.cost import CostScorer
 from picker.scheduling.profile import PluginTimer, Profile, Result
@@ -36,6 +38,8 @@ class Decision:
     cycle: Cycle
     result: Result
     hashes: list[int]
+    keys: list[int] | None = None
+    """The prompt's precise (token-block) keys when precise matching applied, else None."""
 
     @property
     def primary(self) -> EndpointState:
@@ -91,24 +95,69 @@ class Router:
         self._block_tokens = cfg.hashing.block_size / cfg.index.chars_per_token
         self.prefill_rate = 0.0
         """Pool-wide prefill tokens/s (EWMA over all endpoints' observations)."""
+        pcfg = cfg.prefix
+        self.precise: PreciseIndex | None = None
+        """Fed by the KV-event subscribers (or cluster mode); None in approximate mode."""
+        self.syncs: dict[str, Sync] = {}
+        """Endpoint key → its event stream's state. Writer: whoever feeds ``precise``."""
+        if pcfg.mode != "approximate":
+            self.precise = PreciseIndex(pcfg.max_blocks_per_endpoint, pcfg.speculative_ttl_s)
+            pool.on_remove(lambda s: self._forget_precise(s.key))
         pool.on_remove(lambda s: self.index.remove(s.key))
 
-    def cycle(self, req: InferenceRequest, candidates: list[EndpointState]) -> tuple[Cycle, list[int]]:
+    def _forget_precise(self, key: str) -> None:
+        assert self.precise is not None, "precise state without a precise index"
+        self.precise.remove(key)
+        self.syncs.pop(key, None)
+
+    def is_precise(self, key: str) -> bool:
+        """Whether ``key``'s prefix matches come from its KV events (else from our own record)."""
+        sync = self.syncs.get(key)
+        if self.precise is None or sync is None:
+            return False
+        if sync.state is State.SYNCED:
+            return True
+        return sync.state is State.WAITING and self.cfg.prefix.mode == "precise"
+
+    def precise_block_size(self) -> int:
+        """Tokens per KV block for request keys: configured, else learned from the events (0: none yet)."""
+        if self.cfg.prefix.block_size:
+            return self.cfg.prefix.block_size
+        return self.precise.block_size if self.precise is not None else 0
+
+    def cycle(
+        self, req: InferenceRequest, candidates: list[EndpointState]
+    ) -> tuple[Cycle, list[int], list[int] | None]:
         text = req.routing_text.encode()
         hashes = self._hash_memo.hashes(text, seed_for(req.model, req.lora, req.cache_salt))
-        if req.prompt_token_ids is not None:
-            prompt_tokens = len(req.prompt_token_ids)
+        tokens = req.prompt_token_ids
+        if tokens is not None:
+            prompt_tokens = len(tokens)
         else:
             prompt_tokens = max(1, int(len(text) / self.cfg.index.chars_per_token))
-        matches = self.index.match_many([e.key for e in candidates], hashes)
-        block_tokens = (
-            prompt_tokens / len(hashes) if req.prompt_token_ids is not None and hashes else self._block_tokens
-        )
+        block_tokens = prompt_tokens / len(hashes) if tokens is not None and hashes else self._block_tokens
         priority = self.cfg.objectives.get(req.objective, self.cfg.default_priority)
-        cyc = Cycle(
-            req, prompt_tokens, block_tokens, len(hashes), matches, self.clock(), self.prefill_rate, priority
-        )
-        return cyc, hashes
+        keys: list[int] | None = None
+        bs = self.precise_block_size()
+        exact = [e.key for e in candidates if self.is_precise(e.key)] if tokens is not None and bs else []
+        if not exact:
+            matches = self.index.match_many([e.key for e in candidates], hashes)
+            cyc = Cycle(
+                req, prompt_tokens, block_tokens, len(hashes), matches, self.clock(), self.prefill_rate, priority
+            )
+            return cyc, hashes, None
+        assert self.precise is not None and tokens is not None, "precise endpoints without an index"
+        # Precise: the cycle counts KV blocks of ``bs`` tokens; approximate endpoints' text-block
+        # matches are converted to whole KV blocks.
+        keys = request_keys(tokens, bs, req.lora, req.cache_salt)
+        now = self.clock()
+        matches = self.precise.match_many(exact, keys, now)
+        rest = [e.key for e in candidates if e.key not in matches]
+        if rest:
+            for k, m in self.index.match_many(rest, hashes).items():
+                matches[k] = int(m * block_tokens / bs)
+        cyc = Cycle(req, prompt_tokens, float(bs), len(keys), matches, now, self.prefill_rate, priority)
+        return cyc, hashes, keys
 
     def route(
         self,
@@ -126,10 +175,10 @@ class Router:
                 raise NoEndpoints("no ready endpoint in the gateway's subset")
         if not candidates:
             raise NoEndpoints("no ready endpoint in the pool")
-        cyc, hashes = self.cycle(req, candidates)
+        cyc, hashes, keys = self.cycle(req, candidates)
         profile = self.profiles[policy] if policy else self.profile
         result = profile.run(cyc, candidates, 1 + self.cfg.fallbacks, commit)
-        return Decision(cyc, result, hashes)
+        return Decision(cyc, result, hashes, keys)
 
     def any_ready(self, subset: Collection[str] | None = None) -> EndpointState:
         """A bodiless request's endpoint (GET /v1/models): the routable one with the fewest
@@ -148,6 +197,8 @@ class Router:
         state = decision.primary
         cyc = decision.cycle
         self.index.record(state.key, decision.hashes)
+        if decision.keys and self.precise is not None:
+            self.precise.speculate(state.key, decision.keys, self.clock())
         uncached = cyc.prompt_tokens - cyc.cached_tokens(state.key)
         ticket = Ticket(
             state,

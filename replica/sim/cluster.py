@@ -9,6 +9,11 @@ Events: request arrivals (the trace's timestamps × ``--time-scale``), engine st
 that copies each engine's queue and KV usage into the picker's endpoint state, as the real
 scraper does. No sleeps: a simulated hour runs in seconds.
 
+``--prefix-mode precise`` (or ``auto``) feeds the picker's precise index from the engines' own KV
+events, delivered ``--event-delay-s`` after the engine step that produced them. They travel the
+real path: vLLM's wire encoding (``replica.sim.kv_events``), msgpack, the picker's decoder
+(``picker.prefix.events``). Requests then carry their token ids, as a tokenizing picker sees them.
+
 Next to the measured hit rate it reports the two ceilings of DESIGN §6, on the same token blocks
 the engines cache (``replica.sim.ceilings``, over the requests sent, in send order): the infinite
 single cache (``ideal_hit_rate``) and one LRU cache holding all replicas' KV blocks together
@@ -29,14 +34,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from picker.config import RouterConfig, load_file
 from picker.endpoints.pool import Pool
 from picker.endpoints.types import Endpoint, Health
 from picker.errors import PickerError
+from picker.prefix import events as kv_events_in
 from picker.request import InferenceRequest
 from picker.router import Router, Ticket
 
-from . import ceilings, trace
+from . import ceilings, kv_events, trace
+from .blocks import Event
 from .costmodel import Profile, profile
 from .engine import EngineConfig, EngineCore, Step
 from .request import Request
@@ -54,6 +63,7 @@ class Replica:
 @dataclass
 class Result:
     policy: str
+    prefix_mode: str
     replicas: int
     requests: int
     errors: int
@@ -80,8 +90,10 @@ class Cluster:
         model: str = "meta-llama/Llama-3.1-8B-Instruct",
         seed: int | None = 0,
         router_cfg: RouterConfig | None = None,
+        event_delay_s: float = 0.05,
     ) -> None:
         self.now = 0.0
+        self.event_delay_s = event_delay_s
         self.model, self.prof = model, prof
         self.pool = Pool()
         self.pool.set_endpoints(Endpoint(f"10.0.{i // 250}.{i % 250 + 1}", 8000) for i in range(n))
@@ -90,7 +102,15 @@ class Cluster:
             cfg_r = dataclasses.replace(cfg_r, profiles=seeded_profiles(cfg_r.profiles, seed))
         self.router = Router(cfg_r, self.pool, clock=lambda: self.now)
         cfg = EngineConfig(block_size, scheduler=sched or SchedulerConfig())
-        self.replicas = {s.key: Replica(s.key, EngineCore(prof, cfg)) for s in self.pool}
+        self._cfg_block_size = block_size
+        self.precise = self.router.precise is not None
+        self.replicas = {
+            s.key: Replica(s.key, EngineCore(prof, cfg, self._publisher(s.key) if self.precise else None))
+            for s in self.pool
+        }
+        for key in self.replicas:
+            if self.precise:
+                self.router.syncs[key] = kv_events_in.Sync(kv_events_in.State.SYNCED, expected=0)
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
         self.ttfts: list[float] = []
@@ -101,6 +121,18 @@ class Cluster:
 
     def _push(self, t: float, kind: str, payload: object) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+
+    def _publisher(self, key: str) -> Any:
+        def publish(events: list[Event]) -> None:
+            body = [kv_events.encode_event(e, self.block_size, {}) for e in events]
+            payload = msgpack.packb([self.now, body], use_bin_type=True)
+            self._push(self.now + self.event_delay_s, "kv", (key, payload))
+
+        return publish
+
+    def _deliver(self, key: str, payload: bytes) -> None:
+        assert self.router.precise is not None, "KV events without a precise index"
+        kv_events_in.apply(self.router.precise, key, kv_events_in.decode_batch(payload))
 
     def _kick(self, rep: Replica) -> None:
         if rep.busy:
@@ -114,8 +146,11 @@ class Cluster:
     def _arrive(self, row: trace.Row) -> None:
         toks, text = trace.tokens_and_text(row)
         try:
+            ids = tuple(toks) if self.precise else None
             decision = self.router.route(
-                InferenceRequest(model=self.model, routing_text=text, request_id=str(row.index))
+                InferenceRequest(
+                    model=self.model, routing_text=text, request_id=str(row.index), prompt_token_ids=ids
+                )
             )
         except PickerError:
             self.errors += 1
@@ -170,6 +205,9 @@ class Cluster:
             elif kind == "step":
                 assert isinstance(payload, tuple), f"step event carries {payload!r}"
                 self._step(*payload)
+            elif kind == "kv":
+                assert isinstance(payload, tuple), f"kv event carries {payload!r}"
+                self._deliver(*payload)
             else:
                 self._scrape()
                 if len(self._events) > 0:
@@ -177,7 +215,7 @@ class Cluster:
 
     @property
     def block_size(self) -> int:
-        return next(iter(self.replicas.values())).core.pool.block_size
+        return self._cfg_block_size
 
     @property
     def capacity_blocks(self) -> int:
@@ -212,15 +250,22 @@ def simulate(
     sched: SchedulerConfig | None = None,
     seed: int | None = 0,
     router_cfg: RouterConfig | None = None,
+    prefix_mode: str = "approximate",
+    event_delay_s: float = 0.05,
 ) -> Result:
     """Route ``rows`` over ``n`` engines under ``policy`` (a built-in, or a profile of
     ``router_cfg``, the picker's own config as ``--config-file`` loads it)."""
     t0 = time.perf_counter()
-    c = Cluster(n, policy, prof, sched=sched, seed=seed, router_cfg=router_cfg)
+    router_cfg = router_cfg or RouterConfig()
+    router_cfg = dataclasses.replace(
+        router_cfg, prefix=dataclasses.replace(router_cfg.prefix, mode=prefix_mode)
+    )
+    c = Cluster(n, policy, prof, sched=sched, seed=seed, router_cfg=router_cfg, event_delay_s=event_delay_s)
     c.run(rows, time_scale)
     q = statistics.quantiles(c.ttfts, n=100) if len(c.ttfts) >= 2 else [0.0] * 99
     return Result(
         policy,
+        prefix_mode,
         n,
         len(rows),
         c.errors,
@@ -258,6 +303,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the picker's YAML config (python -m picker --config-file): its profiles can be named in --policy",
     )
+    p.add_argument(
+        "--prefix-mode",
+        default="approximate",
+        help="comma-separated prefix modes to compare (approximate, precise, auto); each runs every --policy",
+    )
+    p.add_argument(
+        "--event-delay-s", type=float, default=0.05, help="KV-event delivery delay (precise mode), seconds"
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     rows = trace.read(a.trace, a.limit)
@@ -268,16 +321,28 @@ def main(argv: list[str] | None = None) -> int:
         dedupe=a.dedupe_shared_prefixes,
     )
     results = [
-        simulate(rows, a.replicas, pol, profile(a.profile), a.time_scale, sched, a.seed, router_cfg)
+        simulate(
+            rows,
+            a.replicas,
+            pol,
+            profile(a.profile),
+            a.time_scale,
+            sched,
+            a.seed,
+            router_cfg,
+            mode,
+            a.event_delay_s,
+        )
+        for mode in a.prefix_mode.split(",")
         for pol in a.policy.split(",")
     ]
     print(
-        f"{'policy':<14}{'hit rate':>9}{'ideal':>7}{'LRU':>7}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
+        f"{'policy':<14}{'prefix':<12}{'hit rate':>9}{'ideal':>7}{'LRU':>7}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
         f"{'req/s':>8}{'errors':>7}{'wall s':>8}"
     )
     for r in results:
         print(
-            f"{r.policy:<14}{r.hit_rate:>9.3f}{r.ideal_hit_rate:>7.3f}{r.lru_hit_rate:>7.3f}"
+            f"{r.policy:<14}{r.prefix_mode:<12}{r.hit_rate:>9.3f}{r.ideal_hit_rate:>7.3f}{r.lru_hit_rate:>7.3f}"
             f"{r.ttft_p50:>10.3f}{r.ttft_p90:>9.3f}{r.ttft_p99:>9.3f}{r.throughput_rps:>8.2f}"
             f"{r.errors:>7}{r.wall_seconds:>8.1f}"
         )

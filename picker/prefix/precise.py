@@ -1,0 +1,316 @@
+"""Precise prefix index: which endpoint holds which KV blocks, from the replicas' own KV events.
+
+Keys are our own, recomputed from token ids (never the engine's hash, whose seed and algorithm
+the picker does not depend on):
+
+- ``key[i] = xxh64(tokens of block i as uint32, seed=key[i-1] ^ xxh64(msgpack(extra_i)))``,
+  masked to 60 bits, with ``key[-1] = 0`` and ``extra_i`` the block's untagged extra keys as vLLM
+  publishes them in ``BlockStored.extra_keys`` (the LoRA name on every block, the cache salt on
+  block 0 only, in that order; none: no fold). A request computes the same extras from its LoRA
+  adapter and salt, so request keys and event keys agree whatever vLLM's hash algorithm is.
+
+State, one writer each:
+
+- ``_held[slot]``: engine hash → ``[our key, copies]``, written by :meth:`stored` / :meth:`removed`
+  / :meth:`clear` (the endpoint's KV-event subscriber). ``copies`` counts engine blocks carrying
+  that hash (vLLM may cache one hash twice and then sends one ``BlockRemoved`` per block).
+- ``_mask``: our key → bitmask of slots holding it, and ``_dup`` (keys carried by more than one
+  engine hash): derived from ``_held``, same writer.
+- ``_spec_mask`` / ``_spec_until``: speculative entries, written by :meth:`speculate` (the router,
+  at pick time) and expired lazily by :meth:`match`.
+
+Invariants (``check``): bit ``s`` of ``_mask[k]`` is set iff some entry of ``_held[s]`` maps to
+``k``; an endpoint never holds more than ``max_blocks`` engine hashes (past that it is dropped as
+out of sync: we must have missed removals); speculative entries number at most ``max_speculative``.
+
+A lookup walks the request's keys once for all endpoints at a time (AND of bitmasks), so its cost
+is O(blocks), not O(blocks × endpoints).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgpack
+import xxhash
+
+MASK60 = (1 << 60) - 1
+
+
+def extra_seed(extra: Sequence[Any] | None) -> int:
+    """The fold of one block's extra keys into its chain (0: none)."""
+    if not extra:
+        return 0
+    return xxhash.xxh64_intdigest(msgpack.packb(list(extra), use_bin_type=True)) & MASK60
+
+
+def chain_keys(
+    tokens: Sequence[int],
+    block_size: int,
+    extras: Sequence[Sequence[Any] | None] | None = None,
+    parent: int = 0,
+) -> list[int]:
+    """Our keys of the full blocks of ``tokens`` chained after ``parent`` (0: the first block).
+    ``extras[i]`` is block ``i``'s extra keys (None or missing: none)."""
+    n = len(tokens) // block_size
+    if n == 0:
+        return []
+    data = array("I", tokens[: n * block_size]).tobytes()
+    step = block_size * 4
+    xxh = xxhash.xxh64_intdigest
+    h = parent
+    if not extras or not any(extras):
+        return [h := xxh(data[off : off + step], h) & MASK60 for off in range(0, len(data), step)]
+    out: list[int] = []
+    for i, off in enumerate(range(0, len(data), step)):
+        e = extras[i] if i < len(extras) else None
+        h = xxh(data[off : off + step], h ^ extra_seed(e)) & MASK60
+        out.append(h)
+    return out
+
+
+def request_keys(tokens: Sequence[int], block_size: int, lora: str = "", salt: str = "") -> list[int]:
+    """Keys of a request's full prompt blocks, with the extras vLLM folds for it: the LoRA name on
+    every block, the cache salt on block 0."""
+    n = len(tokens) // block_size
+    if n == 0:
+        return []
+    if not lora and not salt:
+        return chain_keys(tokens, block_size)
+    first: list[str] | None = [x for x in (lora, salt) if x]
+    extras: list[list[str] | None] = [first, *[[lora] if lora else None] * (n - 1)]
+    return chain_keys(tokens, block_size, extras)
+
+
+class PreciseIndex:
+    def __init__(
+        self, max_blocks: int = 1_000_000, spec_ttl_s: float = 2.0, max_speculative: int = 1_000_000
+    ):
+        assert max_blocks > 0 and max_speculative >= 0 and spec_ttl_s >= 0, "bad precise index bounds"
+        self.max_blocks, self.spec_ttl_s, self.max_speculative = max_blocks, spec_ttl_s, max_speculative
+        self._slots: dict[str, int] = {}
+        self._free_slots: list[int] = []
+        self._held: dict[int, dict[int, list[int]]] = {}
+        self._mask: dict[int, int] = {}
+        self._dup: dict[int, dict[int, int]] = {}
+        """Per slot: our key → engine hashes beyond the first that carry it (rarely non-empty)."""
+        self._spec_mask: dict[int, int] = {}
+        self._spec_until: dict[int, dict[int, float]] = {}
+        self._spec_queue: deque[tuple[float, int, list[int]]] = deque()
+        self._spec_count = 0
+        self.block_size = 0
+        """Tokens per block of the last ``BlockStored`` seen (what request keys must be cut by)."""
+        self.dropped: dict[str, int] = {}
+        """Times each endpoint was dropped for overflowing ``max_blocks`` (telemetry reads it)."""
+
+    # --- endpoints -------------------------------------------------------------------------
+    def slot(self, key: str) -> int:
+        s = self._slots.get(key)
+        if s is None:
+            s = self._free_slots.pop() if self._free_slots else len(self._slots)
+            self._slots[key] = s
+            self._held[s] = {}
+            self._dup[s] = {}
+            self._spec_until[s] = {}
+        return s
+
+    def remove(self, key: str) -> None:
+        """Forget an endpoint entirely (it left the pool); its slot is reused."""
+        s = self._slots.get(key)
+        if s is None:
+            return
+        self.clear(key)
+        self._drop_speculative(s)
+        del self._slots[key], self._held[s], self._dup[s], self._spec_until[s]
+        self._free_slots.append(s)
+
+    def clear(self, key: str) -> None:
+        """Drop every confirmed entry of ``key`` (AllBlocksCleared, a restart, a gap)."""
+        s = self._slots.get(key)
+        if s is None:
+            return
+        bit, mask = 1 << s, self._mask
+        for k, _ in self._held[s].values():
+            m = mask.get(k, 0) & ~bit
+            if m:
+                mask[k] = m
+            else:
+                mask.pop(k, None)
+        self._held[s] = {}
+        self._dup[s] = {}
+
+    def size(self, key: str) -> int:
+        s = self._slots.get(key)
+        return len(self._held[s]) if s is not None else 0
+
+    # --- events ----------------------------------------------------------------------------
+    def stored(
+        self,
+        key: str,
+        engine_hashes: Sequence[int],
+        parent_engine_hash: int | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        extras: Sequence[Sequence[Any] | None] | None,
+    ) -> bool:
+        """Apply one ``BlockStored``. Returns False (and stores nothing) when its parent block is
+        unknown to us: its chain cannot be keyed."""
+        s = self.slot(key)
+        held = self._held[s]
+        self.block_size = block_size
+        parent = 0
+        if parent_engine_hash is not None:
+            p = held.get(parent_engine_hash)
+            if p is None:
+                return False
+            parent = p[0]
+        keys = chain_keys(token_ids, block_size, extras, parent)
+        assert len(keys) == len(engine_hashes), (
+            f"{key}: BlockStored has {len(engine_hashes)} hashes for {len(token_ids)} tokens of {block_size}"
+        )
+        bit, mask, dup = 1 << s, self._mask, self._dup[s]
+        for eh, k in zip(engine_hashes, keys, strict=True):
+            entry = held.get(eh)
+            if entry is None:
+                held[eh] = [k, 1]
+                m = mask.get(k, 0)
+                if m & bit:  # rare: two engine hashes for one key (e.g. keys we do not fold)
+                    dup[k] = dup.get(k, 0) + 1
+                mask[k] = m | bit
+            else:
+                entry[1] += 1
+        if len(held) > self.max_blocks:
+            self.dropped[key] = self.dropped.get(key, 0) + 1
+            self.clear(key)
+        return True
+
+    def removed(self, key: str, engine_hashes: Iterable[int]) -> None:
+        s = self.slot(key)
+        held, mask, bit = self._held[s], self._mask, 1 << s
+        for eh in engine_hashes:
+            entry = held.get(eh)
+            if entry is None:
+                continue
+            entry[1] -= 1
+            if entry[1] > 0:
+                continue
+            del held[eh]
+            k = entry[0]
+            dup = self._dup[s]
+            if k in dup:  # another engine hash still carries this key
+                dup[k] -= 1
+                if not dup[k]:
+                    del dup[k]
+                continue
+            m = mask.get(k, 0) & ~bit
+            if m:
+                mask[k] = m
+            else:
+                mask.pop(k, None)
+
+    # --- speculative entries ----------------------------------------------------------------
+    def speculate(self, key: str, keys: Sequence[int], now: float) -> None:
+        """Mark ``keys`` as held by ``key`` until ``now + spec_ttl_s`` (a pick just sent them)."""
+        if not keys or self.spec_ttl_s <= 0:
+            return
+        self._expire(now)
+        s = self.slot(key)
+        until, bit, smask = self._spec_until[s], 1 << s, self._spec_mask
+        exp = now + self.spec_ttl_s
+        for k in keys:
+            if k not in until:
+                smask[k] = smask.get(k, 0) | bit
+                self._spec_count += 1
+            until[k] = exp
+        self._spec_queue.append((exp, s, list(keys)))
+        while self._spec_count > self.max_speculative and self._spec_queue:
+            self._expire_one()
+
+    def _expire(self, now: float) -> None:
+        q = self._spec_queue
+        while q and q[0][0] <= now:
+            self._expire_one()
+
+    def _expire_one(self) -> None:
+        exp, s, keys = self._spec_queue.popleft()
+        until = self._spec_until.get(s)
+        if until is None:
+            return
+        bit, smask = 1 << s, self._spec_mask
+        for k in keys:
+            if until.get(k, exp + 1) <= exp:
+                del until[k]
+                self._spec_count -= 1
+                m = smask.get(k, 0) & ~bit
+                if m:
+                    smask[k] = m
+                else:
+                    smask.pop(k, None)
+
+    def _drop_speculative(self, s: int) -> None:
+        bit, smask = 1 << s, self._spec_mask
+        for k in self._spec_until[s]:
+            m = smask.get(k, 0) & ~bit
+            if m:
+                smask[k] = m
+            else:
+                smask.pop(k, None)
+        self._spec_count -= len(self._spec_until[s])
+        self._spec_until[s] = {}
+
+    # --- lookup ----------------------------------------------------------------------------
+    def match_many(self, endpoints: Iterable[str], keys: Sequence[int], now: float) -> dict[str, int]:
+        """``{endpoint: leading blocks of keys it holds}`` (confirmed or speculative)."""
+        self._expire(now)
+        slots = self._slots
+        live: dict[int, str] = {}
+        out: dict[str, int] = {}
+        for e in endpoints:
+            s = slots.get(e)
+            out[e] = 0
+            if s is not None:
+                live[s] = e
+        mask = 0
+        for s in live:
+            mask |= 1 << s
+        cmask, smask = self._mask, self._spec_mask
+        depth = 0
+        for k in keys:
+            if not mask:
+                break
+            m = (cmask.get(k, 0) | smask.get(k, 0)) & mask
+            if m != mask:
+                gone = mask & ~m
+                while gone:
+                    low = gone & -gone
+                    out[live[low.bit_length() - 1]] = depth
+                    gone ^= low
+                mask = m
+            depth += 1
+        while mask:
+            low = mask & -mask
+            out[live[low.bit_length() - 1]] = depth
+            mask ^= low
+        return out
+
+    def holds(self, key: str) -> set[int]:
+        """Our keys confirmed on ``key`` (tests compare them with a replica's true cache)."""
+        s = self._slots.get(key)
+        return {k for k, _ in self._held[s].values()} if s is not None else set()
+
+    def engine_hashes(self, key: str) -> set[int]:
+        s = self._slots.get(key)
+        return set(self._held[s]) if s is not None else set()
+
+    def check(self) -> None:
+        want: dict[int, int] = {}
+        for s, held in self._held.items():
+            assert len(held) <= self.max_blocks, f"slot {s} holds {len(held)} > {self.max_blocks} blocks"
+            for k, n in held.values():
+                assert n > 0, f"slot {s}: key {k} with {n} copies"
+                want[k] = want.get(k, 0) | (1 << s)
+        assert want == self._mask, "the key → slots bitmask disagrees with the per-endpoint tables"
+        assert self._spec_count == sum(len(u) for u in self._spec_until.values()), "speculative count drifted"
