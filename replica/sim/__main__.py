@@ -46,6 +46,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-events-topic", default="kv")
     p.add_argument(
+        "--kv-events-replay-port",
+        type=int,
+        default=0,
+        help="serve vLLM's KV-event replay (ROUTER) on tcp://HOST:PORT (0: off)",
+    )
+    p.add_argument(
         "--lora-modules",
         nargs="*",
         default=[],
@@ -85,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         events = None
         if a.kv_events_port:
             lora_ids = {name: i + 1 for i, name in enumerate(loras)}
+            replay = f"tcp://{a.host}:{a.kv_events_replay_port}" if a.kv_events_replay_port else None
             events = Publisher(
-                f"tcp://{a.host}:{a.kv_events_port}", a.block_size, a.kv_events_topic, lora_ids
+                f"tcp://{a.host}:{a.kv_events_port}", a.block_size, a.kv_events_topic, lora_ids, replay
             )
         core = EngineCore(prof, engine_config(a), events.publish if events else None)
         engine = AsyncEngine(core)

@@ -18,12 +18,19 @@ defaulted fields left out:
 - ``{"type": "AllBlocksCleared"}``.
 
 Block hashes are the simulator's 64-bit chained hashes (vLLM's default int form).
+
+Replay (vLLM's optional ``replay_endpoint``): a ROUTER socket. A DEALER sends ``[b"", start_seq]``
+(8 bytes big-endian) and receives ``[b"", topic, seq, payload]`` for each buffered batch with
+``seq >= start_seq``, then ``[b"", b"", -1 as 8 signed bytes, b""]``. The last ``buffer_steps``
+batches are kept (vLLM's default 10,000). A thread serves it; the buffer is shared under a lock.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
+from collections import deque
 from typing import Any
 
 import msgpack
@@ -60,11 +67,21 @@ def encode_event(e: Event, block_size: int, lora_ids: dict[str, int]) -> dict[st
     return {"type": "AllBlocksCleared"}
 
 
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
 class Publisher:
-    """A bound ZMQ PUB socket; ``publish`` sends one ``KVEventBatch`` per call."""
+    """A bound ZMQ PUB socket; ``publish`` sends one ``KVEventBatch`` per call. With
+    ``replay_endpoint``, a ROUTER serves the last ``buffer_steps`` batches from a thread."""
 
     def __init__(
-        self, endpoint: str, block_size: int, topic: str = "kv", lora_ids: dict[str, int] | None = None
+        self,
+        endpoint: str,
+        block_size: int,
+        topic: str = "kv",
+        lora_ids: dict[str, int] | None = None,
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
     ) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = ctx.socket(zmq.PUB)
@@ -72,13 +89,46 @@ class Publisher:
         self._topic, self._block_size = topic.encode(), block_size
         self._lora_ids = lora_ids or {}
         self._seq = itertools.count()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if replay_endpoint is not None:
+            replay = ctx.socket(zmq.ROUTER)
+            replay.bind(replay_endpoint)
+            self._thread = threading.Thread(target=self._serve_replay, args=(replay,), daemon=True)
+            self._thread.start()
 
     def publish(self, events: list[Event]) -> None:
         if not events:
             return
         body = [encode_event(e, self._block_size, self._lora_ids) for e in events]
         payload = msgpack.packb([time.time(), body], use_bin_type=True)
-        self._sock.send_multipart([self._topic, next(self._seq).to_bytes(8, "big"), payload])
+        seq = next(self._seq)
+        with self._lock:
+            self._buffer.append((seq, payload))
+        self._sock.send_multipart([self._topic, seq.to_bytes(8, "big"), payload])
+
+    def _serve_replay(self, sock: zmq.Socket[bytes]) -> None:
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(100):
+                    continue
+                frame = sock.recv_multipart()
+                if len(frame) != 3 or len(frame[2]) != 8:
+                    continue  # vLLM logs and ignores a malformed request
+                client, _, start = frame
+                first = int.from_bytes(start, "big")
+                with self._lock:
+                    batches = [b for b in self._buffer if b[0] >= first]
+                for seq, payload in batches:
+                    sock.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"), payload])
+                sock.send_multipart([client, b"", b"", END_SEQ, b""])
+        finally:
+            sock.close(linger=0)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
         self._sock.close(linger=0)

@@ -1,0 +1,204 @@
+"""The precise index and the KV-event decoder, without sockets: keys, events, bounds, lookups."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from picker.prefix.events import BadEvent, Cleared, Removed, Stored, apply, decode_batch
+from picker.prefix.precise import PreciseIndex, chain_keys, request_keys
+from replica.sim import kv_events as sim_events
+from replica.sim.blocks import Cleared as SimCleared
+from replica.sim.blocks import Removed as SimRemoved
+from replica.sim.blocks import Stored as SimStored
+from replica.sim.blocks import chain_hashes
+
+pytestmark = pytest.mark.precise
+BS = 16
+
+
+def payload(*events: object) -> bytes:
+    body = [sim_events.encode_event(e, BS, {"ad": 1}) for e in events]  # type: ignore[arg-type]
+    out = msgpack.packb([1.0, body], use_bin_type=True)
+    assert isinstance(out, bytes)
+    return out
+
+
+def store(idx: PreciseIndex, key: str, tokens: list[int], lora: str = "", salt: str = "") -> list[int]:
+    """Store ``tokens``' full blocks on ``key`` as one engine event would; returns engine hashes."""
+    hashes = chain_hashes(tokens, BS, lora, salt)
+    n = len(hashes) * BS
+    apply(idx, key, decode_batch(payload(SimStored(hashes, None, tokens[:n], lora, salt))))
+    return hashes
+
+
+def test_request_keys_equal_event_keys_with_lora_and_salt() -> None:
+    """A request's keys (its LoRA and salt folded as vLLM folds them) equal the keys recomputed
+    from the events the engine sends for it, split over several events, whatever the engine hash."""
+    toks = list(range(100, 100 + 5 * BS + 3))
+    for lora, salt in [("", ""), ("ad", ""), ("", "s"), ("ad", "s")]:
+        idx = PreciseIndex()
+        hashes = chain_hashes(toks, BS, lora, salt)
+        first = SimStored(hashes[:2], None, toks[: 2 * BS], lora, salt)
+        rest = SimStored(hashes[2:], hashes[1], toks[2 * BS : 5 * BS], lora, "")
+        apply(idx, "e", decode_batch(payload(first)))
+        apply(idx, "e", decode_batch(payload(rest)))
+        want = request_keys(toks, BS, lora, salt)
+        assert idx.holds("e") == set(want) and len(want) == 5
+        assert idx.match_many(["e"], want, 0.0) == {"e": 5}
+    assert len({tuple(request_keys(toks, BS, lo, sa)) for lo in ("", "ad") for sa in ("", "s")}) == 4
+
+
+def test_keys_chain_and_partial_blocks() -> None:
+    toks = list(range(40))
+    assert len(chain_keys(toks, BS)) == 2, "the trailing partial block is not cached, so not keyed"
+    other = [999, *toks[1:]]
+    a, b = chain_keys(toks, BS), chain_keys(other, BS)
+    assert a[0] != b[0] and a[1] != b[1], "a block's key depends on every token before its end"
+    assert chain_keys([*toks[:16], 999, *toks[17:]], BS)[0] == a[0], "and on none after it"
+    assert chain_keys(toks[16:32], BS, parent=a[0]) == a[1:], "continuation from the parent's key"
+
+
+def test_removed_clear_duplicates_and_unknown_parent() -> None:
+    idx = PreciseIndex()
+    t = list(range(3 * BS))
+    hashes = store(idx, "e", t)
+    keys = request_keys(t, BS)
+    store(idx, "e", t)  # the same hashes cached twice (two blocks): two removes needed
+    apply(idx, "e", [Removed([hashes[2]])])
+    assert idx.match_many(["e"], keys, 0) == {"e": 3}, "one copy of block 2 is still cached"
+    apply(idx, "e", [Removed([hashes[2], 12345])])  # unknown hashes are ignored
+    assert idx.match_many(["e"], keys, 0) == {"e": 2}
+    skipped = apply(idx, "e", [Stored([7], 424242, list(range(BS)), BS, None)])
+    assert skipped == 1 and idx.size("e") == 2, "a child of an unknown parent cannot be keyed"
+    apply(idx, "e", [Cleared()])
+    assert idx.size("e") == 0 and idx.match_many(["e"], keys, 0) == {"e": 0}
+    idx.check()
+
+
+def test_two_engine_hashes_for_one_key_keep_the_key_until_both_go() -> None:
+    idx = PreciseIndex()
+    toks = list(range(BS))
+    apply(idx, "e", [Stored([1], None, toks, BS, None), Stored([2], None, toks, BS, None)])
+    key = request_keys(toks, BS)
+    apply(idx, "e", [Removed([1])])
+    assert idx.match_many(["e"], key, 0) == {"e": 1}
+    idx.check()
+    apply(idx, "e", [Removed([2])])
+    assert idx.match_many(["e"], key, 0) == {"e": 0}
+    idx.check()
+
+
+def test_overflow_drops_the_endpoint_and_memory_stays_bounded() -> None:
+    idx = PreciseIndex(max_blocks=8)
+    store(idx, "a", list(range(4 * BS)))
+    store(idx, "b", list(range(4 * BS)))
+    store(idx, "a", list(range(1000, 1000 + 5 * BS)))  # 9 > 8: we missed removals
+    assert idx.size("a") == 0 and idx.dropped == {"a": 1} and idx.size("b") == 4
+    idx.check()
+
+
+def test_remove_endpoint_frees_its_slot_for_reuse() -> None:
+    idx = PreciseIndex()
+    t = list(range(2 * BS))
+    store(idx, "a", t)
+    idx.speculate("a", request_keys(list(range(500, 500 + BS)), BS), 0.0)
+    idx.remove("a")
+    store(idx, "b", list(range(900, 900 + BS)))
+    assert idx.match_many(["a", "b"], request_keys(t, BS), 0.0) == {"a": 0, "b": 0}
+    assert idx.slot("b") == 0, "b took a's freed slot (bitmasks stay narrow)"
+    idx.check()
+
+
+def test_speculative_entries_expire_and_refresh() -> None:
+    idx = PreciseIndex(spec_ttl_s=2.0)
+    keys = request_keys(list(range(3 * BS)), BS)
+    idx.speculate("a", keys, now=10.0)
+    assert idx.match_many(["a", "b"], keys, 11.0) == {"a": 3, "b": 0}
+    idx.speculate("a", keys[:1], now=11.5)  # refreshes block 0 only
+    assert idx.match_many(["a"], keys, 12.5) == {"a": 1}, "blocks 1-2 expired at 12.0, block 0 lives"
+    assert idx.match_many(["a"], keys, 13.6) == {"a": 0}
+    idx.check()
+
+
+def test_speculative_entries_are_bounded() -> None:
+    idx = PreciseIndex(max_speculative=10)
+    for i in range(20):
+        idx.speculate("a", request_keys(list(range(i * 100, i * 100 + 4 * BS)), BS), now=0.0)
+    idx.check()
+    assert sum(len(u) for u in idx._spec_until.values()) <= 10
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_match_many_equals_a_walk_per_endpoint(data: st.DataObject) -> None:
+    """The one-pass bitmask walk gives every endpoint the same match length as a naive walk."""
+    rng = random.Random(data.draw(st.integers(0, 10**6)))
+    idx = PreciseIndex()
+    eps = [f"e{i}" for i in range(data.draw(st.integers(1, 70)))]
+    prompts = [[rng.randrange(50) for _ in range(rng.randrange(1, 6) * BS)] for _ in range(6)]
+    for e in eps:
+        for p in rng.sample(prompts, rng.randrange(0, 4)):
+            hashes = store(idx, e, p)
+            if rng.random() < 0.3:
+                apply(idx, e, [Removed([rng.choice(hashes)])])
+    q = rng.choice(prompts) + [1] * BS
+    keys = request_keys(q, BS)
+    got = idx.match_many(eps, keys, 0.0)
+    for e in eps:
+        held, n = idx.holds(e), 0
+        while n < len(keys) and keys[n] in held:
+            n += 1
+        assert got[e] == n, e
+    idx.check()
+
+
+def test_decoder_reads_vllm_forms_and_skips_other_tiers() -> None:
+    got = decode_batch(
+        payload(SimStored([5, 6], None, list(range(2 * BS)), "ad", "s"), SimRemoved(5), SimCleared())
+    )
+    assert got == [
+        Stored([5, 6], None, list(range(2 * BS)), BS, [["ad", "s"], ["ad"]]),
+        Removed([5]),
+        Cleared(),
+    ]
+    cpu = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": [0] * BS,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "CPU",
+    }
+    array_form = ["BlockRemoved", [9], "GPU"]
+    raw = msgpack.packb([1.0, [cpu, array_form], 0])
+    assert decode_batch(raw) == [Removed([9])], "CPU-tier stores skipped; array-like structs read"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xc1",  # never valid msgpack
+        msgpack.packb({"ts": 1}),
+        msgpack.packb(
+            [1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 16}]]
+        ),
+        msgpack.packb([1.0, [{"type": "BlockRemoved"}]]),
+        msgpack.packb([1.0, [42]]),
+        msgpack.packb([1.0, [{"no": "type"}]]),
+    ],
+)
+def test_decoder_rejects_bad_batches(raw: bytes) -> None:
+    with pytest.raises(BadEvent):
+        decode_batch(raw)
+
+
+def test_token_ids_out_of_range_are_a_bad_event() -> None:
+    idx = PreciseIndex()
+    with pytest.raises(BadEvent):
+        apply(idx, "e", [Stored([1], None, [-1] * BS, BS, None)])
