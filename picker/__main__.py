@@ -163,6 +163,30 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"seconds between /metrics polls {_from_config(cfg.scrape.interval_s)}",
     )
     r.add_argument(
+        "--prefix-mode",
+        choices=["approximate", "precise", "auto"],
+        default=None,
+        help="prefix matches from our own picks (approximate) or the replicas' KV events (precise; auto: "
+        f"precise where an endpoint publishes) {_from_config(cfg.prefix.mode)}",
+    )
+    r.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        help=f"replicas' KV-event PUB port, on every endpoint's address {_from_config(cfg.prefix.kv_events_port)}",
+    )
+    r.add_argument(
+        "--kv-events-replay-port",
+        type=int,
+        default=None,
+        help=f"replicas' KV-event replay (ROUTER) port, 0 for none {_from_config(cfg.prefix.kv_events_replay_port)}",
+    )
+    r.add_argument(
+        "--tokenizer",
+        default=None,
+        help="directory with the model's tokenizer.json and tokenizer_config.json (precise matching of text prompts)",
+    )
+    r.add_argument(
         "--body-mode",
         choices=list(BODY_MODES),
         default=next(k for k, v in BODY_MODES.items() if v == so.default_body_mode),
@@ -194,6 +218,18 @@ def build_config(args: argparse.Namespace) -> config_mod.RouterConfig:
         changes["trust_gateway_headers"] = args.trust_gateway_headers
     if args.scrape_interval is not None:
         changes["scrape"] = dataclasses.replace(cfg.scrape, interval_s=args.scrape_interval)
+    prefix = {
+        k: v
+        for k, v in {
+            "mode": args.prefix_mode,
+            "kv_events_port": args.kv_events_port,
+            "kv_events_replay_port": args.kv_events_replay_port,
+            "tokenizer": args.tokenizer,
+        }.items()
+        if v is not None
+    }
+    if prefix:
+        changes["prefix"] = dataclasses.replace(cfg.prefix, **prefix)
     return dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]
 
 
@@ -223,10 +259,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = build_config(args)
         provider = build_provider(args)
+        server = PickerServer(cfg, provider, _server_options(args))
     except (ValueError, OSError) as exc:
         print(f"picker: bad configuration: {exc}", file=sys.stderr)
         return 2
-    opts = ServerOptions(
+
+    async def _run() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.stop)
+        await server.run()
+
+    asyncio.run(_run())
+    return 0
+
+
+def _server_options(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(
         grpc_port=args.grpc_port,
         grpc_health_port=args.grpc_health_port,
         metrics_port=args.metrics_port,
@@ -242,16 +291,6 @@ def main(argv: list[str] | None = None) -> int:
         max_concurrent_streams=args.max_concurrent_streams,
         drain_timeout_s=args.drain_timeout,
     )
-    server = PickerServer(cfg, provider, opts)
-
-    async def _run() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, server.stop)
-        await server.run()
-
-    asyncio.run(_run())
-    return 0
 
 
 if __name__ == "__main__":

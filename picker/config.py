@@ -92,6 +92,9 @@ class PrefixConfig:
     max_blocks_per_endpoint: int = 1_000_000
     """Bound on indexed blocks per endpoint (about 150 B each); past it the endpoint is dropped."""
     tokenizer: str = ""
+    tokenizer_cache_entries: int = 64
+    """Texts whose tokenization is kept for reuse by requests sharing their prefix (0: off; off
+    for a tokenizer that does not split words at whitespace, see ``picker.tokenize.cache``)."""
 
     def __post_init__(self) -> None:
         if self.mode not in PREFIX_MODES:
@@ -100,6 +103,8 @@ class PrefixConfig:
             raise ValueError("prefix.kv_events_port / kv_events_replay_port must be TCP ports")
         if self.block_size < 0 or self.speculative_ttl_s < 0 or self.refill_s < 0:
             raise ValueError("prefix.block_size, speculative_ttl_s and refill_s must be >= 0")
+        if self.tokenizer_cache_entries < 0:
+            raise ValueError("prefix.tokenizer_cache_entries must be >= 0")
         if self.max_blocks_per_endpoint < 1:
             raise ValueError("prefix.max_blocks_per_endpoint must be >= 1")
 

@@ -23,8 +23,9 @@ def explain(router: Router, path: str, body: bytes, policy: str, headers: dict[s
     """Shared by the HTTP and gRPC faces: parse, validate the policy, explain."""
     if policy and policy not in router.profiles:
         raise BadRequest(f"unknown policy {policy!r}; known: {sorted(router.profiles)}")
-    req, _ = request_mod.parse(body, path or "/v1/completions", headers, router.cfg.lora_adapters)
-    return router.explain(req, policy or None)
+    path = path or "/v1/completions"
+    req, doc = request_mod.parse(body, path, headers, router.cfg.lora_adapters)
+    return router.explain(router.tokenize(req, doc, path), policy or None)
 
 
 class ExplainService(pb_grpc.ExplainServicer):  # type: ignore[misc]

@@ -228,6 +228,7 @@ class Exchange:
         cfg = self.router.cfg
         path = self.headers.get(":path", "")
         req, doc = request_mod.parse(body, path, self.headers, cfg.lora_adapters, cfg.trust_gateway_headers)
+        req = self.router.tokenize(req, doc, path)
         self.request_id = req.request_id
         decision = self.router.route(req, subset=self.subset)
         self.ticket = self.router.start(decision)

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -20,6 +22,18 @@ from picker import explain as explain_mod
 from picker.errors import PickerError
 from picker.router import Router
 from picker.telemetry import Telemetry
+
+
+def _precise_state(router: Router, key: str) -> dict[str, Any]:
+    sync = router.syncs.get(key)
+    if router.precise is None or sync is None:
+        return {}
+    return {
+        "kv_events": sync.state.value,
+        "kv_events_seq": sync.expected,
+        "kv_events_gaps": sync.gaps,
+        "precise_blocks": router.precise.size(key),
+    }
 
 
 def metrics_app(router: Router, telemetry: Telemetry) -> web.Application:
@@ -61,6 +75,7 @@ def debug_app(router: Router) -> web.Application:
                     "running": s.metrics.running,
                     "kv_usage": s.metrics.kv_usage,
                     "index_blocks": router.index.size(s.key),
+                    **_precise_state(router, s.key),
                 }
                 for s in router.pool
             }

@@ -11,7 +11,7 @@ prompt prefix (same system prompt, same chat history, same document) share a tex
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,9 @@ class InferenceRequest:
     objective: str = ""
     fairness_id: str = ""
     max_tokens: int = 0
-    prompt_token_ids: tuple[int, ...] | None = None
+    prompt_token_ids: Sequence[int] | None = None
+    """The prompt's token ids: the client's (a token-id prompt) or the picker's tokenizer's
+    (precise mode). Never mutated once set."""
 
 
 def request_id_of(headers: Mapping[str, str]) -> str:

@@ -14,9 +14,11 @@ no-ops), so in-flight counters return to zero when traffic stops.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from picker.config import RouterConfig, build_profile
 from picker.endpoints.pool import Pool
@@ -31,6 +33,8 @@ from picker.request import InferenceRequest
 from picker.scheduling.cost import CostScorer
 from picker.scheduling.profile import PluginTimer, Profile, Result
 from picker.scheduling.types import Cycle
+from picker.tokenize import PromptTokenizer
+from picker.tokenize import load as load_tokenizer
 
 
 @dataclass(slots=True)
@@ -100,15 +104,29 @@ class Router:
         """Fed by the KV-event subscribers (or cluster mode); None in approximate mode."""
         self.syncs: dict[str, Sync] = {}
         """Endpoint key → its event stream's state. Writer: whoever feeds ``precise``."""
+        self.tokenizer: PromptTokenizer | None = None
         if pcfg.mode != "approximate":
             self.precise = PreciseIndex(pcfg.max_blocks_per_endpoint, pcfg.speculative_ttl_s)
             pool.on_remove(lambda s: self._forget_precise(s.key))
+            if pcfg.tokenizer:
+                try:
+                    self.tokenizer = load_tokenizer(pcfg.tokenizer, pcfg.tokenizer_cache_entries)
+                except Exception as exc:  # tokenizers raises its own Exception types
+                    raise ValueError(f"prefix.tokenizer {pcfg.tokenizer!r}: {exc}") from exc
         pool.on_remove(lambda s: self.index.remove(s.key))
 
     def _forget_precise(self, key: str) -> None:
         assert self.precise is not None, "precise state without a precise index"
         self.precise.remove(key)
         self.syncs.pop(key, None)
+
+    def tokenize(self, req: InferenceRequest, doc: dict[str, Any], path: str) -> InferenceRequest:
+        """``req`` with the prompt token ids the replica will compute, when precise matching is on
+        and the picker has the model's tokenizer (else ``req`` unchanged: approximate matching)."""
+        if self.tokenizer is None or req.prompt_token_ids is not None or not doc:
+            return req
+        ids = self.tokenizer.encode(doc, path)
+        return req if ids is None else dataclasses.replace(req, prompt_token_ids=ids)
 
     def is_precise(self, key: str) -> bool:
         """Whether ``key``'s prefix matches come from its KV events (else from our own record)."""
@@ -143,7 +161,14 @@ class Router:
         if not exact:
             matches = self.index.match_many([e.key for e in candidates], hashes)
             cyc = Cycle(
-                req, prompt_tokens, block_tokens, len(hashes), matches, self.clock(), self.prefill_rate, priority
+                req,
+                prompt_tokens,
+                block_tokens,
+                len(hashes),
+                matches,
+                self.clock(),
+                self.prefill_rate,
+                priority,
             )
             return cyc, hashes, None
         assert self.precise is not None and tokens is not None, "precise endpoints without an index"
@@ -307,6 +332,9 @@ class Router:
             "endpoints": {
                 e.key: {
                     "matched_blocks": cyc.matches.get(e.key, 0),
+                    "prefix_source": "precise"
+                    if decision.keys is not None and self.is_precise(e.key)
+                    else "approximate",
                     "cached_tokens_est": cyc.cached_tokens(e.key),
                     "ttft_estimate_s": round(cost.estimate(cyc, e), 6),
                     "score": decision.result.scores.get(e.key),

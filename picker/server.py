@@ -32,6 +32,7 @@ from picker.endpoints.types import EndpointProvider, EndpointState
 from picker.explain import ExplainService
 from picker.extproc import FULL_DUPLEX, ExtProcService
 from picker.http import debug_app, metrics_app
+from picker.prefix.subscribers import Subscribers
 from picker.router import Router
 from picker.scrape import Scraper
 from picker.telemetry import Telemetry
@@ -136,7 +137,10 @@ class PickerServer:
         hs.add_insecure_port(f"{self.opts.host}:{self.opts.grpc_health_port}")
         await self._set_health(False)
         runners: list[web.AppRunner] = []
+        subs = self._subscribers()
         async with Scraper(self.pool, self.cfg.scrape, self._on_scrape, self._on_scrape_error):
+            if subs is not None:
+                subs.attach(self.pool)
             tasks = [
                 asyncio.create_task(self.provider.run(self.pool)),
                 asyncio.create_task(self._watch_readiness()),
@@ -162,6 +166,8 @@ class PickerServer:
                 await hs.stop(grace=0)
                 for r in runners:
                     await r.cleanup()
+                if subs is not None:
+                    await subs.close()
 
     async def _drain(self, ext: grpc.aio.Server) -> None:
         """NOT_SERVING, no new streams, in-flight streams finish (up to the drain timeout, or
@@ -192,6 +198,20 @@ class PickerServer:
             "on" if o.enable_explain_grpc else "off",
             o.max_concurrent_streams or "unbounded",
             self.cfg.policy,
+        )
+
+    def _subscribers(self) -> Subscribers | None:
+        """KV-event subscribers feeding the precise index (precise and auto modes)."""
+        p = self.cfg.prefix
+        if self.router.precise is None:
+            return None
+        return Subscribers(
+            self.router.precise,
+            self.router.syncs,
+            p.kv_events_port,
+            p.kv_events_replay_port,
+            p.kv_events_topic,
+            p.refill_s,
         )
 
     def stop(self) -> None:

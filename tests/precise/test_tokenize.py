@@ -1,0 +1,145 @@
+"""Token-exact request hashing: our tokenizer + chat template against HF ``transformers`` (the
+renderer vLLM calls), and the prefix tokenization cache against tokenizing whole texts."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from picker.tokenize import load
+from picker.tokenize.chat import ChatTemplate, Unrenderable
+from replica.tinymodel import _corpus
+
+pytestmark = pytest.mark.precise
+
+# A Llama-3-like template: tools as JSON, content parts iterated ("openai" format), a system default.
+TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}:"
+    "{% if m['content'] is string %} {{ m['content'] }}"
+    "{% elif m['content'] %}{% for part in m['content'] %} {{ part['text'] }}{% endfor %}{% endif %}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %} call {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}{% endif %}"
+    "\n{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+STRING_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("tok")
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=2048, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_corpus(1000), trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    (out / "chat_template.jinja").write_text(TEMPLATE)
+    return out
+
+
+MESSAGES: list[dict[str, Any]] = [
+    {"role": "system", "content": "You route prompt blocks to the replica with the cache."},
+    {"role": "user", "content": [{"type": "text", "text": "first part"}, {"type": "text", "text": "second"}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}],
+    },
+    {"role": "tool", "content": "ok ünïcode ✓", "tool_call_id": "1"},
+]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def hf_reference(tok_dir: pathlib.Path, template: str, doc: dict[str, Any]) -> list[int]:
+    """What vLLM computes: HF apply_chat_template (its renderer) with vLLM's message shapes."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tok_dir / "tokenizer.json"), bos_token="<s>", eos_token="</s>"
+    )
+    msgs = json.loads(json.dumps(doc["messages"]))
+    openai = "for part in m['content']" in template
+    for m in msgs:
+        if isinstance(m.get("content"), list):
+            texts = [p["text"] for p in m["content"]]
+            m["content"] = [{"type": "text", "text": t} for t in texts] if openai else "\n".join(texts)
+        elif isinstance(m.get("content"), str) and openai:
+            m["content"] = [{"type": "text", "text": m["content"]}]
+        for c in m.get("tool_calls") or []:
+            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    text = hf.apply_chat_template(
+        msgs, tools=doc.get("tools"), chat_template=template, add_generation_prompt=True, tokenize=False
+    )
+    ids = hf(text, add_special_tokens=False)["input_ids"]
+    assert isinstance(ids, list)
+    return ids
+
+
+def test_chat_matches_hf_apply_chat_template(tok_dir: pathlib.Path) -> None:
+    ours = load(str(tok_dir))
+    doc = {"model": "m", "messages": MESSAGES, "tools": TOOLS}
+    assert ours.chat is not None and ours.chat.openai_format
+    got = ours.encode(doc, "/v1/chat/completions")
+    assert got == hf_reference(tok_dir, TEMPLATE, doc)
+    assert got is not None and got[0] == 0, "the template's own bos_token, no second one"
+
+
+def test_string_format_template_joins_parts(tok_dir: pathlib.Path) -> None:
+    chat = ChatTemplate(STRING_TEMPLATE, {"bos_token": "<s>"})
+    assert not chat.openai_format
+    doc = {"model": "m", "messages": MESSAGES[:2]}
+    text = chat.render(doc)
+    assert "first part\nsecond" in text
+    ours = load(str(tok_dir))
+    ours.chat = chat
+    assert ours.encode(doc, "/v1/chat/completions") == hf_reference(tok_dir, STRING_TEMPLATE, doc)
+
+
+def test_completions_add_the_post_processor_specials(tok_dir: pathlib.Path) -> None:
+    ours = load(str(tok_dir))
+    raw = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    text = "the cache12 router7 prefix3"
+    assert ours.encode({"prompt": text}, "/v1/completions") == raw.encode(text).ids
+    assert (
+        ours.encode({"prompt": text, "add_special_tokens": False}, "/v1/completions")
+        == raw.encode(text, add_special_tokens=False).ids
+    )
+    assert ours.encode({"prompt": [1, 2]}, "/v1/completions") is None, "ids need no tokenizer"
+
+
+def test_unrenderable_requests_fall_back(tok_dir: pathlib.Path) -> None:
+    ours = load(str(tok_dir))
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}
+    assert ours.encode({"messages": [image]}, "/v1/chat/completions") is None
+    boom = ChatTemplate("{{ raise_exception('no') }}", {})
+    with pytest.raises(Unrenderable):
+        boom.render({"messages": []})
+    with pytest.raises(Unrenderable):
+        ChatTemplate(TEMPLATE, {}).render({"messages": [], "chat_template_kwargs": [1]})
+
+
+def test_prefix_cache_is_exact(tok_dir: pathlib.Path) -> None:
+    """Texts sharing long prefixes (and diverging anywhere: mid-word, in runs of spaces, in
+    multi-byte characters) tokenize through the cache exactly as whole."""
+    ours = load(str(tok_dir))
+    raw = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    rng = random.Random(7)
+    base = " ".join(_corpus(300, seed=3))
+    assert ours.cache is not None
+    for i in range(60):
+        cut = rng.randrange(2500, len(base))
+        tail = rng.choice(["  spaced  out ", "ünï ✓ code", "x", " the cache", "\n\nnew para", "12345"])
+        text = base[:cut] + tail + " ".join(_corpus(3, seed=i))
+        assert ours.encode({"prompt": text}, "/v1/completions") == raw.encode(text).ids, i
+    assert ours.cache.hits >= 50, "the shared prefix was reused"
