@@ -11,7 +11,7 @@ POLICY ?= cost
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 
-.PHONY: install install-picker test lint typecheck pytest run bench proto images kind-test clean
+.PHONY: install install-picker test lint typecheck pytest run bench proto images base-image docker-e2e kind-test clean
 
 install: $(STAMP)
 
@@ -60,8 +60,19 @@ run: $(STAMP_CORE)
 bench: $(STAMP_BENCH)
 	$(PY) -m bench --suite quick
 
-images:
+# Images need a Docker engine (with BuildKit); each target prints SKIPPED without one. Not part of
+# `make test`. See README "Images and the Docker end-to-end test".
+images:  ## picker, sim, replica-cpu (IMAGES=..., BASE_IMAGE=..., see deploy/docker/build.sh)
 	bash deploy/docker/build.sh
+
+base-image:  ## a local Python 3.11 Debian base (debootstrap) for machines without a registry
+	bash deploy/docker/base-image.sh
+
+E2E_ARGS ?=
+docker-e2e:  ## Envoy + picker + sim replicas, then real vLLM-CPU replicas, as containers
+	@if ! command -v docker >/dev/null 2>&1 || ! docker info >/dev/null 2>&1; then \
+	  echo "SKIPPED: make docker-e2e needs a running Docker engine (docker CLI missing or daemon unreachable)."; \
+	else $(MAKE) --no-print-directory $(STAMP_CORE) && $(PY) deploy/docker/e2e.py $(E2E_ARGS); fi
 
 kind-test:
 	bash deploy/kind/e2e.sh
