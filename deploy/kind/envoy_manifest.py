@@ -20,6 +20,7 @@ from typing import Any
 
 RENDER = pathlib.Path(__file__).resolve().parents[1] / "envoy" / "render.py"
 UPSTREAM_HEADER = "x-kvpick-upstream"
+GATEWAY_LABEL = "gateway.networking.k8s.io/gateway-name"
 
 
 def envoy_config(picker: str, tls: bool, listen_port: int) -> dict[str, Any]:
@@ -68,7 +69,11 @@ def manifests(namespace: str, picker: str, tls: bool, image: str, port: int) -> 
             "spec": {
                 "replicas": 1,
                 "selector": {"matchLabels": labels},
-                "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+                # The Gateway API label: the chart's default NetworkPolicy admits it to ext_proc.
+                "template": {
+                    "metadata": {"labels": {**labels, GATEWAY_LABEL: "kvpick-envoy"}},
+                    "spec": pod_spec,
+                },
             },
         },
         {

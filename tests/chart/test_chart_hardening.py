@@ -1,0 +1,153 @@
+"""The chart's production settings: the NetworkPolicy admits only the gateway to ext_proc, the
+termination grace covers preStop plus the picker's drain, replicas and PDB agree, the debug API is
+off and metrics stay on 9090. The NetworkPolicy is evaluated here the way Kubernetes reads it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import helm_python
+import pytest
+
+from picker.__main__ import build_parser
+from tests.chart.test_chart import CHART, RELEASE, one, picker_labels, render
+
+pytestmark = pytest.mark.chart
+
+ISTIO_GW = ({"gateway.networking.k8s.io/gateway-name": "inference-gw", "app": "istio-gw"}, {"name": "gw"})
+EG_GW = ({"gateway.envoyproxy.io/owning-gateway-name": "eg"}, {"name": "envoy-gateway-system"})
+OTHER = ({"app": "someone-else"}, {"name": "tenant-a"})
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels, matchExpressions In/NotIn/Exists/DoesNotExist) on labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, vals = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in vals,
+            "NotIn": key not in labels or labels[key] not in vals,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def _peer_admits(peer: dict[str, Any], pod: dict[str, str], ns: dict[str, str], own_ns: bool) -> bool:
+    if "ipBlock" in peer:
+        return False  # pods here are addressed by labels
+    ns_ok = _selects(peer["namespaceSelector"], ns) if "namespaceSelector" in peer else own_ns
+    return ns_ok and _selects(peer.get("podSelector", {}), pod)
+
+
+def admitted(policy: dict[str, Any], pod: dict[str, str], ns: dict[str, str], port: int) -> bool:
+    """Whether ``policy`` lets a pod (labels, namespace labels) in another namespace reach ``port``."""
+    for rule in policy["spec"]["ingress"]:
+        if rule.get("ports") and port not in [p["port"] for p in rule["ports"]]:
+            continue
+        peers = rule.get("from")
+        if not peers or any(_peer_admits(p, pod, ns, own_ns=False) for p in peers):
+            return True
+    return False
+
+
+def test_only_gateway_pods_reach_ext_proc() -> None:
+    docs = render({})
+    policy = one(docs, "NetworkPolicy")
+    assert _selects(policy["spec"]["podSelector"], picker_labels(docs))
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    for pod, ns in (ISTIO_GW, EG_GW):
+        assert admitted(policy, pod, ns, 9002)
+    assert not admitted(policy, *OTHER, 9002), "any pod could call ext_proc"
+    assert admitted(policy, *OTHER, 9003), "health is open (it reveals nothing)"
+    assert admitted(policy, *OTHER, 9090), "metrics: any pod in the cluster by default"
+    assert not admitted(policy, *OTHER, 9091), "the debug port is never opened"
+
+
+def test_network_policy_selector_is_configurable() -> None:
+    peers = [
+        {
+            "namespaceSelector": {"matchLabels": {"name": "gw"}},
+            "podSelector": {"matchLabels": {"app": "istio-gw"}},
+        }
+    ]
+    values = {"picker": {"networkPolicy": {"enabled": True, "gatewayFrom": peers, "metricsFrom": []}}}
+    policy = one(render(values), "NetworkPolicy")
+    assert admitted(policy, *ISTIO_GW, 9002) and not admitted(policy, *EG_GW, 9002)
+    assert not admitted(policy, *OTHER, 9090), "metricsFrom [] admits nobody to metrics"
+    gke = {
+        "picker": {
+            "networkPolicy": {
+                "enabled": True,
+                "gatewayFrom": [{"ipBlock": {"cidr": "10.129.0.0/23"}}],
+                "metricsFrom": [],
+            }
+        }
+    }
+    rule = one(render(gke), "NetworkPolicy")["spec"]["ingress"][0]
+    assert rule["from"] == [{"ipBlock": {"cidr": "10.129.0.0/23"}}]
+    off = {"picker": {"networkPolicy": {"enabled": False, "gatewayFrom": peers, "metricsFrom": []}}}
+    assert not [d for d in render(off) if d["kind"] == "NetworkPolicy"]
+
+
+def test_termination_grace_covers_prestop_and_drain() -> None:
+    docs = render({})
+    spec = one(docs, "Deployment", f"{RELEASE}-picker")["spec"]
+    pod = spec["template"]["spec"]
+    container = pod["containers"][0]
+    args = build_parser().parse_args(container["args"])
+    sleep = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] == 130, "GIE's termination grace"
+    assert sleep + args.drain_timeout + 5 <= pod["terminationGracePeriodSeconds"], (
+        "the kubelet would SIGKILL the picker while streams still drain"
+    )
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+
+
+def test_debug_api_off_and_metrics_on_9090() -> None:
+    docs = render({})
+    container = one(docs, "Deployment", f"{RELEASE}-picker")["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args(container["args"])
+    assert args.enable_debug_api is False and args.enable_explain_grpc is False
+    assert args.metrics_port == 9090
+    assert [p["containerPort"] for p in container["ports"]] == [9002, 9003, 9090]
+    assert {p["port"] for p in one(docs, "Service")["spec"]["ports"]} == {9002, 9003, 9090}
+
+
+def test_replicas_and_pdb_agree() -> None:
+    docs = render({})
+    assert one(docs, "Deployment", f"{RELEASE}-picker")["spec"]["replicas"] == 1
+    assert not [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    two = render({"picker": {"replicas": 2, "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1}}})
+    pdb = one(two, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= picker_labels(two).items()
+    with pytest.raises(helm_python.HelmValuesError, match="minimum"):
+        render({"picker": {"podDisruptionBudget": {"enabled": True, "maxUnavailable": 1}}})
+
+
+def test_kind_gateway_is_admitted_by_the_default_policy() -> None:
+    """deploy/kind's plain Envoy gateway carries the Gateway API label the default policy admits."""
+    import sys
+
+    sys.path.insert(0, str(CHART.parents[1] / "deploy" / "kind"))
+    import envoy_manifest
+
+    dep = next(
+        d
+        for d in envoy_manifest.manifests("kvpick", "p:9002", True, "envoy", 8080)
+        if d["kind"] == "Deployment"
+    )
+    pod = dep["spec"]["template"]["metadata"]["labels"]
+    assert admitted(one(render({}), "NetworkPolicy"), pod, {"name": "kvpick"}, 9002)
+
+
+def test_values_say_what_two_pickers_do() -> None:
+    text = (CHART / "values.yaml").read_text()
+    assert "hit rate" in text and "active-passive" in text
