@@ -11,6 +11,7 @@ Example ``--config-file``::
     max_body_bytes: 8388608
     scrape: {interval_s: 0.2, timeout_s: 1.0, stale_after_s: 2.0, unreachable_after: 3}
     prefix: {mode: auto, kv_events_port: 5557, tokenizer: /models/llama}   # precise: KV events
+    calibration: {default_prefill_rate: 10000, prior_scrapes: 8, window: 64}   # picker.calibration
     profiles:              # add or override policies; built-ins: cost, weighted, round-robin, least-loaded
       my-policy:
         filters: [{type: ready}, {type: not-saturated, params: {max_waiting: 32}}]
@@ -27,6 +28,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from picker.calibration import CalibrationConfig
 from picker.prefix.hashing import HashConfig
 from picker.scheduling.profile import BUILTIN_POLICIES, Profile
 from picker.scheduling.registry import make_filter, make_picker, make_scorer
@@ -134,6 +136,7 @@ class RouterConfig:
     trust_gateway_headers: bool = False
     """Honour ``x-gateway-model-name-rewrite``. Only a gateway may set it: turn this on only where
     the gateway strips a client-sent copy and sets its own (else any client picks the model)."""
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
     def __post_init__(self) -> None:
         if self.policy not in self.profiles:
@@ -161,6 +164,7 @@ def load(raw: Mapping[str, Any] | None, base: RouterConfig | None = None) -> Rou
         "index": (IndexConfig, base.index),
         "scrape": (ScrapeConfig, base.scrape),
         "prefix": (PrefixConfig, base.prefix),
+        "calibration": (CalibrationConfig, base.calibration),
     }
     for key, (cls, cur) in sub.items():
         if key in raw:

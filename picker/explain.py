@@ -58,6 +58,7 @@ class ExplainService(pb_grpc.ExplainServicer):  # type: ignore[misc]
                 in_flight_requests=e["in_flight_requests"],
                 waiting=e["waiting"],
                 kv_usage=e["kv_usage"],
+                model=pb.LoadModel(**e["model"]),
             )
             for key, e in doc["endpoints"].items()
         ]

@@ -159,6 +159,8 @@ class Exchange:
     """The client's ``x-request-id``, or the one generated for it at the pick."""
     subset: frozenset[str] | None = None
     """The gateway's subset hint (endpoint keys), None when it sent none."""
+    measurable: bool = False
+    """The response is a 2xx event stream: its first byte times the prefill (a cross-check)."""
 
     # -- request path -------------------------------------------------------------------------
     def on_request_headers(
@@ -273,7 +275,11 @@ class Exchange:
     ) -> list[pb.ProcessingResponse]:
         if served and self.ticket is not None and self.router.recredit(self.ticket, served):
             self.chosen = [served, *(k for k in self.chosen if k != served)]
-        status = _headers_map(msg).get(":status", "")
+        headers = _headers_map(msg)
+        status = headers.get(":status", "")
+        self.measurable = status.startswith("2") and headers.get("content-type", "").startswith(
+            "text/event-stream"
+        )
         self.decision_label = f"{self.decision_label}:{status[:1]}xx" if status else self.decision_label
         if msg.end_of_stream:
             self.close()
@@ -281,7 +287,7 @@ class Exchange:
 
     def on_response_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.ticket is not None:
-            self.router.first_token(self.ticket)
+            self.router.first_token(self.ticket, self.measurable)
         if msg.end_of_stream:
             self.close()
         if self.response_mode == FULL_DUPLEX:

@@ -5,7 +5,8 @@ The ext_proc server and the simulator's cluster mode both drive a :class:`Router
     decision = router.route(req)          # may raise PickerError subclasses
     ticket = router.start(decision)       # request sent: index records the pick, in-flight += 1
     router.recredit(ticket, served_key)   # Envoy served a fallback: move the ticket there
-    router.first_token(ticket)            # first response byte: prefill done, rate observed
+    router.first_token(ticket, measure)   # first response byte: prefill done
+    router.on_scrape(state)               # after each scrape: KV capacity, calibrated load model
     router.finish(ticket)                 # end, error, reset or disconnect; idempotent
 
 Invariant: every ``start`` is matched by exactly one effective ``finish`` (later calls are
@@ -20,6 +21,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from picker.calibration import Calibrator
 from picker.config import RouterConfig, build_profile
 from picker.endpoints.pool import Pool
 from picker.endpoints.types import EndpointState
@@ -98,7 +100,12 @@ class Router:
         self.profile = self.profiles[cfg.policy]
         self._block_tokens = cfg.hashing.block_size / cfg.index.chars_per_token
         self.prefill_rate = 0.0
-        """Pool-wide prefill tokens/s (EWMA over all endpoints' observations)."""
+        """Cross-check only: pool-wide per-request prefill tokens/s (EWMA over first bytes of 2xx
+        streamed responses). The cost scorer ranks on the calibrated model, not on this."""
+        self.calibrator = Calibrator(cfg.calibration)
+        for state in pool:
+            state.model = cfg.calibration.default_model()
+        pool.on_add(lambda s: setattr(s, "model", cfg.calibration.default_model()))
         pcfg = cfg.prefix
         self.precise: PreciseIndex | None = None
         """Fed by the KV-event subscribers (or cluster mode); None in approximate mode."""
@@ -114,6 +121,7 @@ class Router:
                 except Exception as exc:  # tokenizers raises its own Exception types
                     raise ValueError(f"prefix.tokenizer {pcfg.tokenizer!r}: {exc}") from exc
         pool.on_remove(lambda s: self.index.remove(s.key))
+        pool.on_remove(self.calibrator.forget)
 
     def _forget_precise(self, key: str) -> None:
         assert self.precise is not None, "precise state without a precise index"
@@ -167,7 +175,6 @@ class Router:
                 len(hashes),
                 matches,
                 self.clock(),
-                self.prefill_rate,
                 priority,
             )
             return cyc, hashes, None
@@ -181,7 +188,7 @@ class Router:
         if rest:
             for k, m in self.index.match_many(rest, hashes).items():
                 matches[k] = int(m * block_tokens / bs)
-        cyc = Cycle(req, prompt_tokens, float(bs), len(keys), matches, now, self.prefill_rate, priority)
+        cyc = Cycle(req, prompt_tokens, float(bs), len(keys), matches, now, priority)
         return cyc, hashes, keys
 
     def route(
@@ -285,7 +292,10 @@ class Router:
         self.index.record(key, ticket.hashes)
         return True
 
-    def first_token(self, ticket: Ticket) -> None:
+    def first_token(self, ticket: Ticket, measure: bool = True) -> None:
+        """The first response byte: the request's prefill is no longer pending. With ``measure``
+        (a 2xx streamed response only: an error or a whole non-streamed body says nothing about
+        prefill speed) the time also feeds the cross-check rate."""
         if ticket.done or ticket.first_token_at:
             return
         now = self.clock()
@@ -294,18 +304,23 @@ class Router:
         state.pending_prefill_tokens = max(0, state.pending_prefill_tokens - ticket.uncached_tokens)
         elapsed = now - ticket.started
         work = ticket.uncached_tokens + ticket.queued_tokens
-        if elapsed > 0 and work >= 256:  # short prefills are dominated by fixed overheads
+        if measure and elapsed > 0 and work >= 256:  # short prefills are dominated by fixed overheads
             observed = work / elapsed
             a = self.cfg.rate_ewma_alpha
             state.prefill_rate = _ewma(state.prefill_rate, observed, a)
             state.prefill_samples += 1
-            self.prefill_rate = _ewma(self.prefill_rate, observed, a)  # the pooled rate cost ranks on
+            self.prefill_rate = _ewma(self.prefill_rate, observed, a)
 
     def finish(self, ticket: Ticket) -> None:
         if ticket.done:
             return
         ticket.done = True
         self._discharge(ticket)
+
+    def on_scrape(self, state: EndpointState) -> None:
+        """``state.metrics`` was just replaced by a successful scrape."""
+        self.refresh_capacity(state)
+        self.calibrator.observe(state)
 
     def refresh_capacity(self, state: EndpointState) -> None:
         """Size the endpoint's LRU from its ``vllm:cache_config_info`` (KV blocks × block tokens),
@@ -337,6 +352,15 @@ class Router:
                     else "approximate",
                     "cached_tokens_est": cyc.cached_tokens(e.key),
                     "ttft_estimate_s": round(cost.estimate(cyc, e), 6),
+                    "model": {
+                        "prefill_tokens_per_s": round(e.model.prefill_rate, 1),
+                        "prefill_source": e.model.prefill_source,
+                        "step_base_s": round(e.model.step_base_s, 6),
+                        "step_per_seq_s": round(e.model.step_per_seq_s, 7),
+                        "step_source": e.model.step_source,
+                        "uncached_tokens_per_request": round(e.model.uncached_per_request, 1),
+                        "first_byte_rate_crosscheck": round(e.prefill_rate, 1),
+                    },
                     "score": decision.result.scores.get(e.key),
                     "scores": {n: s.get(e.key) for n, s in decision.result.per_scorer.items()},
                     "health": e.health.value,

@@ -34,13 +34,26 @@ WANTED = (
     "vllm:lora_requests_info",
     "vllm:prefix_cache_queries",
     "vllm:prefix_cache_hits",
+    "vllm:prompt_tokens",
 )
+"""Families kept whole (every sample line whose name starts with one of these)."""
+HISTOGRAMS = (
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_prefill_kv_computed_tokens",
+    "vllm:inter_token_latency_seconds",
+)
+"""Histograms of which only ``_sum`` and ``_count`` are kept (the load model's inputs)."""
 EXPECTED = (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError)
 """Failures of a scrape that are logged without a traceback (network, HTTP status, bad page)."""
-_PREFIXES = tuple(WANTED) + tuple(f"# TYPE {n}" for n in WANTED) + tuple(f"# HELP {n}" for n in WANTED)
+_PREFIXES = (
+    *WANTED,
+    *(f"{h}_{suffix}" for h in HISTOGRAMS for suffix in ("sum", "count")),
+    *(f"# TYPE {n}" for n in (*WANTED, *HISTOGRAMS)),
+)
 
 
 def prefilter(text: str) -> str:
+    """The lines the picker reads; HELP lines and ``_bucket`` lines are dropped unparsed."""
     return "\n".join(line for line in text.splitlines() if line.startswith(_PREFIXES))
 
 
@@ -76,6 +89,18 @@ def parse_metrics(text: str, now: float) -> EndpointMetrics:
                 m.prefix_queries_total += s.value
             elif name == "vllm:prefix_cache_hits_total":
                 m.prefix_hits_total += s.value
+            elif name == "vllm:prompt_tokens_total":
+                m.prompt_tokens_total += s.value
+            elif name == "vllm:request_prefill_time_seconds_sum":
+                m.prefill_seconds_sum += s.value
+            elif name == "vllm:request_prefill_time_seconds_count":
+                m.prefill_count += s.value
+            elif name == "vllm:request_prefill_kv_computed_tokens_sum":
+                m.prefill_computed_tokens_sum += s.value
+            elif name == "vllm:inter_token_latency_seconds_sum":
+                m.itl_seconds_sum += s.value
+            elif name == "vllm:inter_token_latency_seconds_count":
+                m.itl_count += s.value
     if kv:
         m.kv_usage = sum(kv) / len(kv)
     return m

@@ -80,7 +80,7 @@ class PickerServer:
         """Set once shutdown begins; written only by :meth:`run`."""
 
     def _on_scrape(self, state: EndpointState) -> None:
-        self.router.refresh_capacity(state)
+        self.router.on_scrape(state)
 
     def _on_scrape_error(self, state: EndpointState, reason: str) -> None:
         self.telemetry.scrape_errors.labels(state.key, reason).inc()

@@ -58,7 +58,39 @@ class EndpointMetrics:
     max_lora: int = 0
     prefix_queries_total: float = 0.0
     prefix_hits_total: float = 0.0
+    prompt_tokens_total: float = 0.0
+    """``vllm:prompt_tokens_total``: whole prompts (cached part included), counted at first token."""
+    prefill_seconds_sum: float = 0.0
+    """``vllm:request_prefill_time_seconds_sum``: first token − first scheduled, summed."""
+    prefill_count: float = 0.0
+    prefill_computed_tokens_sum: float = 0.0
+    """``vllm:request_prefill_kv_computed_tokens_sum``: prompt − cached tokens, summed over the
+    same finished requests as ``prefill_seconds_sum``."""
+    itl_seconds_sum: float = 0.0
+    """``vllm:inter_token_latency_seconds_sum``: time between a request's successive tokens."""
+    itl_count: float = 0.0
     updated_at: float = 0.0  # time.monotonic() of the last successful scrape
+
+
+@dataclass(slots=True)
+class EndpointModel:
+    """The endpoint's calibrated speed (:mod:`picker.calibration`, its only writer)."""
+
+    prefill_rate: float = 10_000.0
+    """Uncached prompt tokens per second."""
+    step_base_s: float = 0.005
+    step_per_seq_s: float = 0.0005
+    uncached_per_request: float = 512.0
+    """Uncached prompt tokens of a typical request: what one waiting request costs."""
+    prefill_source: str = "default"
+    """Where ``prefill_rate`` comes from: "default", "pooled across endpoints (N own scrapes)"
+    while the endpoint has too few deltas of its own, or "calibrated from N scrapes"."""
+    step_source: str = "default"
+    """The same for the step-time line."""
+
+    def step_s(self, running: float) -> float:
+        """One engine step with ``running`` requests in the batch."""
+        return self.step_base_s + self.step_per_seq_s * running
 
 
 @dataclass(slots=True, eq=False)
@@ -72,8 +104,11 @@ class EndpointState:
     in_flight_tokens: int = 0
     pending_prefill_tokens: int = 0
     """Estimated uncached prompt tokens of requests sent here that have not produced a first byte."""
+    model: EndpointModel = field(default_factory=EndpointModel)
+    """The calibrated speed; written only by :class:`picker.calibration.Calibrator`."""
     prefill_rate: float = 0.0
-    """Observed prefill throughput in tokens/s (EWMA); 0 means no observation yet."""
+    """Cross-check only (the cost scorer does not read it): observed per-request prefill
+    throughput in tokens/s (EWMA over 2xx streamed responses); 0 means no observation yet."""
     prefill_samples: int = 0
     """Observations folded into ``prefill_rate``."""
     added_at: float = field(default_factory=time.monotonic)

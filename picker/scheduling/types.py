@@ -32,9 +32,6 @@ class Cycle:
     matches: Mapping[str, int]
     """Endpoint key → leading prefix blocks the index says that endpoint has."""
     now: float
-    prefill_rate: float = 0.0
-    """Pool-wide observed prefill throughput in tokens/s (0 = not observed yet): the fallback for
-    an endpoint with too few observations of its own (``EndpointState.prefill_rate``)."""
     priority: int = 0
     """The request's objective priority (config ``objectives``); negative means sheddable."""
 

@@ -30,7 +30,7 @@ import itertools
 import json
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,7 @@ import msgpack
 
 from picker.config import RouterConfig, load_file
 from picker.endpoints.pool import Pool
-from picker.endpoints.types import Endpoint, Health
+from picker.endpoints.types import Endpoint, EndpointMetrics, Health
 from picker.errors import PickerError
 from picker.prefix import events as kv_events_in
 from picker.request import InferenceRequest
@@ -84,7 +84,7 @@ class Cluster:
         self,
         n: int,
         policy: str,
-        prof: Profile,
+        prof: Profile | Sequence[Profile],
         block_size: int = 16,
         sched: SchedulerConfig | None = None,
         model: str = "meta-llama/Llama-3.1-8B-Instruct",
@@ -94,7 +94,9 @@ class Cluster:
     ) -> None:
         self.now = 0.0
         self.event_delay_s = event_delay_s
-        self.model, self.prof = model, prof
+        profs = [prof] if isinstance(prof, Profile) else list(prof)
+        assert profs, "a cluster needs at least one profile"
+        self.model, self.prof = model, profs[0]
         self.pool = Pool()
         self.pool.set_endpoints(Endpoint(f"10.0.{i // 250}.{i % 250 + 1}", 8000) for i in range(n))
         cfg_r = dataclasses.replace(router_cfg or RouterConfig(), policy=policy)
@@ -104,9 +106,12 @@ class Cluster:
         cfg = EngineConfig(block_size, scheduler=sched or SchedulerConfig())
         self._cfg_block_size = block_size
         self.precise = self.router.precise is not None
-        self.replicas = {
-            s.key: Replica(s.key, EngineCore(prof, cfg, self._publisher(s.key) if self.precise else None))
-            for s in self.pool
+        self.replicas = {  # replica i runs profile i mod len(profs): a mixed pool alternates them
+            s.key: Replica(
+                s.key,
+                EngineCore(profs[i % len(profs)], cfg, self._publisher(s.key) if self.precise else None),
+            )
+            for i, s in enumerate(self.pool)
         }
         for key in self.replicas:
             if self.precise:
@@ -183,15 +188,25 @@ class Cluster:
         for rep in self.replicas.values():
             state = self.pool.get(rep.key)
             assert state is not None, f"replica {rep.key} left the pool"
-            m = state.metrics
-            sched, kv = rep.core.sched, rep.core.pool
-            m.waiting, m.running = float(len(sched.waiting)), float(len(sched.running))
-            m.kv_usage = kv.usage()
-            m.block_size, m.num_gpu_blocks = kv.block_size, kv.num_blocks
-            m.prefix_queries_total, m.prefix_hits_total = float(sched.queries), float(sched.hits)
-            m.updated_at = self.now
+            sched, kv, st = rep.core.sched, rep.core.pool, rep.core.stats
+            state.metrics = EndpointMetrics(
+                waiting=float(len(sched.waiting)),
+                running=float(len(sched.running)),
+                kv_usage=kv.usage(),
+                block_size=kv.block_size,
+                num_gpu_blocks=kv.num_blocks,
+                prefix_queries_total=float(sched.queries),
+                prefix_hits_total=float(sched.hits),
+                prompt_tokens_total=float(st.prompt_tokens),
+                prefill_seconds_sum=st.prefill.total,
+                prefill_count=float(st.prefill.count),
+                prefill_computed_tokens_sum=st.prefill_kv_computed.total,
+                itl_seconds_sum=st.itl.total,
+                itl_count=float(st.itl.count),
+                updated_at=self.now,
+            )
             state.health = Health.READY
-            self.router.refresh_capacity(state)
+            self.router.on_scrape(state)
 
     def run(self, rows: list[trace.Row], time_scale: float = 1.0, scrape_s: float = 0.2) -> None:
         for row in rows:
@@ -245,7 +260,7 @@ def simulate(
     rows: list[trace.Row],
     n: int,
     policy: str,
-    prof: Profile,
+    prof: Profile | Sequence[Profile],
     time_scale: float = 1.0,
     sched: SchedulerConfig | None = None,
     seed: int | None = 0,
@@ -291,7 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", required=True)
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--policy", default="cost", help="comma-separated picker policies to compare")
-    p.add_argument("--profile", default="h100-llama-3.1-8b")
+    p.add_argument(
+        "--profile",
+        default="h100-llama-3.1-8b",
+        help="cost-model profile; a comma-separated list makes a mixed pool (replica i runs the i-th mod the list)",
+    )
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (<1 = more load)")
     p.add_argument("--limit", type=int, default=None, help="use the first N rows")
     p.add_argument("--page-aligned-prefill", action="store_true")
@@ -314,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     rows = trace.read(a.trace, a.limit)
+    profs = [profile(name) for name in a.profile.split(",")]
     router_cfg = load_file(a.config_file) if a.config_file else None
     sched = SchedulerConfig(
         page_aligned=a.page_aligned_prefill,
@@ -325,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             rows,
             a.replicas,
             pol,
-            profile(a.profile),
+            profs,
             a.time_scale,
             sched,
             a.seed,

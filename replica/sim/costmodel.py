@@ -72,11 +72,15 @@ class Profile:
     mfu: float = 0.5
     mbu: float = 0.8
     overhead_s: float = 0.002
+    per_token_s: float = 2e-6
+    """Linear profiles (no GPU, ``cpu-test``): seconds per computed token; the step also costs
+    ``overhead_s`` and ``per_seq_s`` per scheduled request."""
+    per_seq_s: float = 2e-5
 
     def step_time(self, batch: Sequence[tuple[int, int]]) -> float:
         """Seconds for one step; ``batch``: (new tokens, context before them) per request."""
-        if self.gpu is None or self.model is None:  # cpu-test
-            return 0.001 + sum(n for n, _ in batch) * 2e-6 + len(batch) * 2e-5
+        if self.gpu is None or self.model is None:  # linear (cpu-test)
+            return self.overhead_s + sum(n for n, _ in batch) * self.per_token_s + len(batch) * self.per_seq_s
         g, m = self.gpu, self.model
         tokens = ctx_tokens = 0
         attn = 0.0
@@ -99,7 +103,7 @@ class Profile:
 def profile(name: str) -> Profile:
     """``cpu-test`` or ``<gpu>-<model>``, e.g. ``h100-llama-3.1-8b``."""
     if name == "cpu-test":
-        return Profile(name, None, None)
+        return Profile(name, None, None, overhead_s=0.001)
     gpu, _, model = name.partition("-")
     if gpu not in GPUS or model not in MODELS:
         known = ", ".join(f"{g}-{m}" for g in GPUS for m in MODELS)

@@ -17,6 +17,7 @@ from .blocks import BlockPool, Event
 from .costmodel import Profile
 from .request import Request
 from .scheduler import Batch, Scheduler, SchedulerConfig
+from .stats import EngineStats
 
 
 @dataclass
@@ -42,18 +43,21 @@ class EngineCore:
         self.pool = BlockPool(blocks, cfg.block_size, record_events=on_events is not None)
         self.sched = Scheduler(self.pool, cfg.scheduler)
         self.on_events = on_events
+        self.stats = EngineStats()
         self.max_model_len = (blocks - 1) * cfg.block_size
 
     def begin(self, now: float) -> Step | None:
         batch = self.sched.schedule(now)
         if not batch:
             return None
+        self.stats.begin(now)
         duration = self.profile.step_time([(n, r.num_computed) for r, n in batch]) * self.cfg.time_scale
         return Step(batch, duration)
 
     def end(self, step: Step, now: float) -> list[Request]:
         """Apply a step at ``now``; returns the requests that sampled a token."""
         produced = self.sched.update(step.batch, now)
+        self.stats.on_step(step.batch, produced, now)
         if self.on_events is not None:
             events = self.pool.take_events()
             if events:
@@ -81,6 +85,7 @@ class AsyncEngine:
         """The client went away: free the request wherever it is."""
         self.queues.pop(req.request_id, None)
         self.core.sched.abort(req)
+        self.core.stats.forget(req)
 
     def reset_prefix_cache(self) -> bool:
         ok = self.core.pool.reset()

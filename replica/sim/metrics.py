@@ -6,6 +6,12 @@
   ``vllm:num_preemptions``, ``vllm:prompt_tokens``, ``vllm:generation_tokens``, all labelled
   ``model_name`` and ``engine`` (``"0"``); ``vllm:request_success`` adds ``finished_reason``;
 - histogram ``vllm:time_to_first_token_seconds`` with vLLM's buckets;
+- the load model's inputs (``picker.calibration``), from :class:`~.stats.EngineStats` with vLLM's
+  semantics: counters ``vllm:prompt_tokens_by_source{source}`` (``local_compute``,
+  ``local_cache_hit``, ``external_kv_transfer``), histograms ``vllm:inter_token_latency_seconds``,
+  ``vllm:iteration_tokens_total``, ``vllm:request_{queue,prefill,decode}_time_seconds`` and
+  ``vllm:request_prefill_kv_computed_tokens``; ``vllm:prompt_tokens`` and
+  ``vllm:generation_tokens`` count at the first token and per token, as vLLM's do;
 - ``vllm:cache_config_info``: a gauge at 1 labelled with every ``CacheConfig`` field and ``engine``;
 - ``vllm:lora_requests_info{max_lora,waiting_lora_adapters,running_lora_adapters}`` set to the
   current time on each refresh, only when LoRA adapters are served (as vLLM, without LoRA, has none).
@@ -23,6 +29,47 @@ TTFT_BUCKETS = (
     *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
     *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
 )
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_LATENCY_BUCKETS = (
+    *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
+    *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+)
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def request_tokens_buckets(max_model_len: int) -> list[float]:
+    """vLLM's ``build_buckets([1, 2, 5], max_model_len)``: 1, 2, 5, 10, 20, 50, ... up to the limit."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
+
+
 CACHE_CONFIG_KEYS = [
     "block_size",
     "user_specified_block_size",
@@ -101,6 +148,50 @@ class Metrics:
             **lbl
         )
         self.gen = Counter("vllm:generation_tokens", "Generation tokens.", names, registry=r).labels(**lbl)
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            [*names, "source"],
+            registry=r,
+        )
+        self.by_source = {src: by_source.labels(**lbl, source=src) for src in PROMPT_SOURCES}
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
+            return Histogram(name, doc, names, registry=r, buckets=buckets).labels(**lbl)
+
+        self.hists = {
+            "itl": hist(
+                "vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                ITL_BUCKETS,
+            ),
+            "iteration_tokens": hist(
+                "vllm:iteration_tokens_total",
+                "Histogram of number of tokens per engine_step.",
+                ITERATION_TOKENS_BUCKETS,
+            ),
+            "queue": hist(
+                "vllm:request_queue_time_seconds",
+                "Histogram of time spent in WAITING phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            ),
+            "prefill": hist(
+                "vllm:request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            ),
+            "decode": hist(
+                "vllm:request_decode_time_seconds",
+                "Histogram of time spent in DECODE phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            ),
+            "prefill_kv_computed": hist(
+                "vllm:request_prefill_kv_computed_tokens",
+                "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+                request_tokens_buckets(core.max_model_len),
+            ),
+        }
+        core.stats.observer = lambda name, v: self.hists[name].observe(v)
         self.success = Counter(
             "vllm:request_success", "Successful requests.", [*names, "finished_reason"], registry=r
         ).labels(**lbl, finished_reason="length")
@@ -125,17 +216,33 @@ class Metrics:
             if loras
             else None
         )
-        self._counted = (self.queries.labels(**lbl), self.hits.labels(**lbl), self.preempt.labels(**lbl))
-        self._seen = [0, 0, 0]
+        self._counted = (
+            self.queries.labels(**lbl),
+            self.hits.labels(**lbl),
+            self.preempt.labels(**lbl),
+            self.prompt,
+            self.gen,
+            self.by_source["local_compute"],
+            self.by_source["local_cache_hit"],
+        )
+        self._seen = [0] * len(self._counted)
 
     def render(self) -> bytes:
         s, pool = self.core.sched, self.core.pool
         self.running.set(len(s.running))
         self.waiting.set(len(s.waiting))
         self.kv.set(pool.usage())
-        for i, (counter, total) in enumerate(
-            zip(self._counted, (s.queries, s.hits, s.preemptions), strict=True)
-        ):
+        st = self.core.stats
+        totals = (
+            s.queries,
+            s.hits,
+            s.preemptions,
+            st.prompt_tokens,
+            st.generation_tokens,
+            st.computed_prompt_tokens,
+            st.prompt_tokens - st.computed_prompt_tokens,
+        )
+        for i, (counter, total) in enumerate(zip(self._counted, totals, strict=True)):
             counter.inc(total - self._seen[i])
             self._seen[i] = total
         if self.lora_info is not None:

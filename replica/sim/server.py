@@ -131,8 +131,6 @@ class Api:
     def _observe(self, req: Request, t0: float) -> None:
         m = self.metrics
         m.ttft.observe((req.first_token_at or time.monotonic()) - t0)
-        m.prompt.inc(len(req.prompt))
-        m.gen.inc(req.num_output)
         m.success.inc()
 
 

@@ -51,4 +51,6 @@ def _explain_both_ways(envoy_stack: Stack) -> None:
     by_key = {e.endpoint: e for e in resp.endpoints}
     for key, e in http_doc["endpoints"].items():
         assert by_key[key].matched_blocks == e["matched_blocks"]
+        assert by_key[key].model.prefill_source == e["model"]["prefill_source"]
+        assert by_key[key].model.prefill_tokens_per_s == e["model"]["prefill_tokens_per_s"] > 0
     assert max(e.matched_blocks for e in resp.endpoints) > 0

@@ -89,7 +89,6 @@ def test_first_token_feeds_the_prefill_rate_ewma() -> None:
     router.first_token(t2)
     router.finish(t2)
     assert router.prefill_rate == pytest.approx(0.8 * 2048 + 0.2 * 4096)
-    assert router.route(req("c")).cycle.prefill_rate == pytest.approx(router.prefill_rate)
 
     t3 = router.start(router.route(req("c" * 400)))  # 100 tokens: too short to measure a rate
     clock.t += 10.0
@@ -99,23 +98,34 @@ def test_first_token_feeds_the_prefill_rate_ewma() -> None:
     assert t3.state.prefill_samples == 2, "a prefill too short to measure is not a sample"
 
 
-def test_each_endpoints_observed_rate_reaches_its_cost_estimate() -> None:
-    router, pool, clock = make(2)
-    cost = router.profile.scorer("cost")
-    assert isinstance(cost, CostScorer)
-    cost.per_endpoint_rate = True
+def test_the_calibrated_model_reaches_the_cost_estimate_and_the_explain_api() -> None:
+    """Scrapes (not responses) calibrate: after 40 scrape deltas each, the slow endpoint's own
+    rate (1,024 tokens/s) and the fast one's (4,096) are in the TTFT estimates, and the explain
+    API says where each estimate came from."""
+    router, pool, _ = make(2)
     slow, fast = list(pool)
-    for state, seconds in ((slow, 1.0), (fast, 0.25)):
-        for _ in range(5):  # CostScorer.min_rate_samples
-            t = Ticket(state, 1024, 1024, 0, clock.t)
-            clock.t += seconds
-            router.first_token(t)
-    assert (slow.prefill_rate, fast.prefill_rate) == (pytest.approx(1024.0), pytest.approx(4096.0))
+    fresh = router.explain(req("a" * 4096))["endpoints"]
+    assert isinstance(fresh, dict)
+    assert fresh[slow.key]["model"]["prefill_source"] == "default"
+    for k in range(41):
+        for state, rate in ((slow, 1024.0), (fast, 4096.0)):
+            # per scrape: 2 requests, 1,024 uncached tokens, prefill seconds = tokens / rate + one step each
+            secs = k * (1024 / rate + 2 * state.model.step_s(0))
+            state.metrics = EndpointMetrics(
+                prefill_computed_tokens_sum=1024.0 * k,
+                prefill_seconds_sum=secs,
+                prefill_count=2.0 * k,
+                updated_at=k,
+            )
+            router.on_scrape(state)
     endpoints = router.explain(req("a" * 4096))["endpoints"]  # 1024 tokens, nothing cached
     assert isinstance(endpoints, dict)
     est = {k: e["ttft_estimate_s"] for k, e in endpoints.items()}
-    assert est[slow.key] == pytest.approx(1024 / 1024.0 + 0.005, abs=1e-6)
-    assert est[fast.key] == pytest.approx(1024 / 4096.0 + 0.005, abs=1e-6)
+    assert est[slow.key] > 2.5 * est[fast.key]
+    assert slow.model.prefill_rate == pytest.approx(1024.0, rel=0.25)
+    assert fast.model.prefill_rate == pytest.approx(4096.0, rel=0.25)
+    assert endpoints[slow.key]["model"]["prefill_source"] == "calibrated from 40 scrapes"
+    assert endpoints[slow.key]["model"]["step_source"] == "default", "no decode seen yet"
 
 
 def test_queued_work_counts_towards_the_observed_rate() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from picker.config import build_profile
-from picker.endpoints.types import Endpoint, EndpointMetrics, EndpointState, Health
+from picker.endpoints.types import Endpoint, EndpointMetrics, EndpointModel, EndpointState, Health
 from picker.errors import NoEndpoints, Overloaded
 from picker.request import InferenceRequest
 from picker.scheduling.cost import CostScorer
@@ -42,11 +42,10 @@ def cycle(
     prompt_tokens: int = 160,
     lora: str = "",
     session: str = "",
-    prefill_rate: float = 0.0,
     priority: int = 0,
 ) -> Cycle:
     req = InferenceRequest(model="m", routing_text="", lora=lora, session_id=session)
-    return Cycle(req, prompt_tokens, 16.0, n_blocks, matches or {}, 0.0, prefill_rate, priority)
+    return Cycle(req, prompt_tokens, 16.0, n_blocks, matches or {}, 0.0, priority)
 
 
 def ports(endpoints: list[EndpointState]) -> list[int]:
@@ -169,9 +168,9 @@ def test_session_affinity_scorer_remembers_bounded() -> None:
 
 
 # ---- the cost scorer -----------------------------------------------------------------------------
-# est(e) = (max(pending, waiting * 512) + prompt - cached) / rate(e) + max(running, in_flight) * 0.0005
-#          + 0.005, with rate(e) the endpoint's own observed rate after 5 observations, else the
-#          pool-wide rate (default 10,000 tokens/s until observed).
+# est(e) = (max(pending, waiting * u(e)) + prompt - cached) / rate(e) + base(e) + per_seq(e) *
+#          max(running, in_flight), with the endpoint's calibrated model; before calibration the
+#          defaults: u 512 tokens, rate 10,000 tokens/s, base 0.005 s, per_seq 0.0005 s.
 # Prompt 8192 tokens, A holds 256 blocks * 16 tokens = 4096 of them, B none:
 #   est(A) = (q_A + 4096) / 1e4 + 0.005,  est(B) = 8192 / 1e4 + 0.005,
 # so A wins exactly while its queued work q_A < 4096 tokens: pending 4095 → A, 4097 → B; by the
@@ -184,7 +183,9 @@ HOT = {A: 256}
 def _cost_pick(
     a: EndpointState, b: EndpointState, rate: float = 0.0, scorer: CostScorer | None = None
 ) -> int:
-    cyc = cycle(HOT, n_blocks=512, prompt_tokens=8192, prefill_rate=rate)
+    cyc = cycle(HOT, n_blocks=512, prompt_tokens=8192)
+    if rate:
+        a.model.prefill_rate = b.model.prefill_rate = rate
     scores = (scorer or CostScorer()).score(cyc, [a, b])
     assert max(scores.values()) == 1.0
     return 1 if scores[A] > scores[B] else 2
@@ -231,55 +232,50 @@ def test_miss_penalty_changes_the_score_not_the_estimate() -> None:
 
 @pytest.mark.parametrize(("rate", "pending", "winner"), [(1000.0, 8191, 1), (1000.0, 8193, 2)])
 def test_cost_crossover_does_not_depend_on_the_rate(rate: float, pending: int, winner: int) -> None:
-    """Queued and uncached work are divided by the same pool-wide rate: the crossover stays at
-    q_A = 8,192 tokens whatever the rate."""
+    """Queued and uncached work are divided by the same rate on equally fast endpoints: the
+    crossover stays at q_A = 8,192 tokens whatever the rate."""
     assert _cost_pick(ep(1, pending_prefill_tokens=pending), ep(2), rate) == winner
 
 
-def test_cost_uses_each_endpoints_own_observed_rate() -> None:
-    """Same uncached tokens, same load: the endpoint observed to prefill slower gets the higher
-    estimate, by its own rate, not the pool's."""
-    cyc = cycle({}, n_blocks=512, prompt_tokens=8192, prefill_rate=2000.0)
-    slow = ep(1, prefill_rate=1024.0, prefill_samples=5)
-    fast = ep(2, prefill_rate=4096.0, prefill_samples=9)
-    scorer = CostScorer(per_endpoint_rate=True)
-    est = scorer.estimates(cyc, [slow, fast])
-    assert est[A] == pytest.approx(8192 / 1024 + 0.005)
-    assert est[B] == pytest.approx(8192 / 4096 + 0.005)
-    assert est[A] > est[B]
-    scores = scorer.score(cyc, [slow, fast])
+def test_cost_uses_each_endpoints_calibrated_model() -> None:
+    """Same uncached tokens, same load: the endpoint calibrated as slower gets the higher
+    estimate, by its own rate and its own step time."""
+    cyc = cycle({}, n_blocks=512, prompt_tokens=8192)
+    slow = ep(1, running=4, model=EndpointModel(1024.0, 0.02, 0.004, 300.0))
+    fast = ep(2, running=4, model=EndpointModel(4096.0, 0.01, 0.001, 300.0))
+    est = CostScorer().estimates(cyc, [slow, fast])
+    assert est[A] == pytest.approx(8192 / 1024 + 0.02 + 4 * 0.004)
+    assert est[B] == pytest.approx(8192 / 4096 + 0.01 + 4 * 0.001)
+    scores = CostScorer().score(cyc, [slow, fast])
     assert scores[B] == 1.0 > scores[A]
-    pooled = CostScorer().estimates(cyc, [slow, fast])  # the default: one pooled rate for all
-    assert pooled[A] == pooled[B] == pytest.approx(8192 / 2000 + 0.005)
 
 
-@pytest.mark.parametrize(
-    ("per_endpoint", "samples", "pool_rate", "rate_used"),
-    [
-        (True, 4, 2000.0, 2000.0),  # too few observations of its own: the pool-wide rate
-        (True, 0, 0.0, 10_000.0),  # nothing observed anywhere: the default
-        (True, 5, 0.0, 1024.0),  # enough of its own
-        (False, 5, 2000.0, 2000.0),  # the default ranks everyone on the pooled rate
-        (False, 5, 0.0, 10_000.0),
-    ],
-)
-def test_cost_rate_fallbacks(per_endpoint: bool, samples: int, pool_rate: float, rate_used: float) -> None:
-    cyc = cycle({}, n_blocks=512, prompt_tokens=8192, prefill_rate=pool_rate)
-    e = ep(1, prefill_rate=1024.0 if samples else 0.0, prefill_samples=samples)
-    scorer = CostScorer(per_endpoint_rate=per_endpoint)
-    assert scorer.estimate(cyc, e) == pytest.approx(8192 / rate_used + 0.005)
+def test_a_hot_prefix_spills_by_a_margin_in_seconds() -> None:
+    """The holder keeps the prefix until its TTFT exceeds the cold endpoint's by the miss's own
+    prefill time there (miss_penalty 1): with a slow holder that comes after fewer queued tokens."""
+    ties = []
+    for holder_rate in (10_000.0, 7_000.0):
+        a = ep(1, model=EndpointModel(holder_rate, 0.005, 0.0005, 512.0))
+        b = ep(2)
+        # cost(A) = (q + 2 * 4096) / rA + step; cost(B) = ttft(B) + margin = 2 * 8192 / 1e4 + step
+        q_tie = (2 * 8192 / 10_000.0) * holder_rate - 2 * 4096
+        ties.append(q_tie)
+        for q, winner in ((q_tie - 2, 1), (q_tie + 2, 2)):
+            a.pending_prefill_tokens = int(q)
+            assert _cost_pick(a, b) == winner, (holder_rate, q)
+    assert ties[1] < ties[0] / 2, "the slower holder spills after far less queued work"
 
 
 def test_cost_rejects_bad_params() -> None:
-    with pytest.raises(ValueError, match="min_rate_samples"):
-        make_scorer("cost", {"min_rate_samples": 0})
     with pytest.raises(ValueError, match="miss_penalty"):
         make_scorer("cost", {"miss_penalty": -1})
+    with pytest.raises(ValueError, match="unknown params"):
+        make_scorer("cost", {"decode_step_s": 0.001})  # calibrated now, not a parameter
 
 
 def test_cost_estimate_by_hand() -> None:
-    cyc = cycle(HOT, n_blocks=512, prompt_tokens=8192, prefill_rate=2000.0)
-    a = ep(1, waiting=2, running=3, in_flight_requests=5)
+    cyc = cycle(HOT, n_blocks=512, prompt_tokens=8192)
+    a = ep(1, waiting=2, running=3, in_flight_requests=5, model=EndpointModel(2000.0, 0.005, 0.0005, 512.0))
     # queued = max(0, 2 * 512) = 1024; uncached = 8192 - 4096; running = max(3, 5)
     expected = (1024 + 4096) / 2000 + 5 * 0.0005 + 0.005
     assert CostScorer().estimate(cyc, a) == pytest.approx(expected)
@@ -339,8 +335,8 @@ def test_registry_rejects_unknown_names_and_params() -> None:
 def test_registry_applies_params() -> None:
     f = make_filter("not-saturated", {"max_waiting": 3})
     assert isinstance(f, NotSaturatedFilter) and f.max_waiting == 3
-    c = make_scorer("cost", {"default_rate": 123.0})
-    assert isinstance(c, CostScorer) and c.default_rate == 123.0
+    c = make_scorer("cost", {"miss_penalty": 0.5})
+    assert isinstance(c, CostScorer) and c.miss_penalty == 0.5
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_POLICIES))

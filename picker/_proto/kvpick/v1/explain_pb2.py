@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%picker/_proto/kvpick/v1/explain.proto\x12\tkvpick.v1\"\xa5\x01\n\x0e\x45xplainRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x62ody\x18\x02 \x01(\x0c\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x37\n\x07headers\x18\x04 \x03(\x0b\x32&.kvpick.v1.ExplainRequest.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb4\x02\n\x0f\x45ndpointExplain\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\x03\x12\x19\n\x11\x63\x61\x63hed_tokens_est\x18\x03 \x01(\x03\x12\x17\n\x0fttft_estimate_s\x18\x04 \x01(\x01\x12\r\n\x05score\x18\x05 \x01(\x01\x12\x36\n\x06scores\x18\x06 \x03(\x0b\x32&.kvpick.v1.EndpointExplain.ScoresEntry\x12\x0e\n\x06health\x18\x07 \x01(\t\x12\x1a\n\x12in_flight_requests\x18\x08 \x01(\x03\x12\x0f\n\x07waiting\x18\t \x01(\x01\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x8b\x01\n\x0f\x45xplainResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x19\n\x11prompt_tokens_est\x18\x02 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x03\x12\x0e\n\x06\x63hosen\x18\x04 \x03(\t\x12-\n\tendpoints\x18\x05 \x03(\x0b\x32\x1a.kvpick.v1.EndpointExplain2K\n\x07\x45xplain\x12@\n\x07\x45xplain\x12\x19.kvpick.v1.ExplainRequest\x1a\x1a.kvpick.v1.ExplainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%picker/_proto/kvpick/v1/explain.proto\x12\tkvpick.v1\"\xa5\x01\n\x0e\x45xplainRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x62ody\x18\x02 \x01(\x0c\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x37\n\x07headers\x18\x04 \x03(\x0b\x32&.kvpick.v1.ExplainRequest.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd9\x02\n\x0f\x45ndpointExplain\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\x03\x12\x19\n\x11\x63\x61\x63hed_tokens_est\x18\x03 \x01(\x03\x12\x17\n\x0fttft_estimate_s\x18\x04 \x01(\x01\x12\r\n\x05score\x18\x05 \x01(\x01\x12\x36\n\x06scores\x18\x06 \x03(\x0b\x32&.kvpick.v1.EndpointExplain.ScoresEntry\x12\x0e\n\x06health\x18\x07 \x01(\t\x12\x1a\n\x12in_flight_requests\x18\x08 \x01(\x03\x12\x0f\n\x07waiting\x18\t \x01(\x01\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12#\n\x05model\x18\x0b \x01(\x0b\x32\x14.kvpick.v1.LoadModel\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xcc\x01\n\tLoadModel\x12\x1c\n\x14prefill_tokens_per_s\x18\x01 \x01(\x01\x12\x16\n\x0eprefill_source\x18\x02 \x01(\t\x12\x13\n\x0bstep_base_s\x18\x03 \x01(\x01\x12\x16\n\x0estep_per_seq_s\x18\x04 \x01(\x01\x12\x13\n\x0bstep_source\x18\x05 \x01(\t\x12#\n\x1buncached_tokens_per_request\x18\x06 \x01(\x01\x12\"\n\x1a\x66irst_byte_rate_crosscheck\x18\x07 \x01(\x01\"\x8b\x01\n\x0f\x45xplainResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x19\n\x11prompt_tokens_est\x18\x02 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x03\x12\x0e\n\x06\x63hosen\x18\x04 \x03(\t\x12-\n\tendpoints\x18\x05 \x03(\x0b\x32\x1a.kvpick.v1.EndpointExplain2K\n\x07\x45xplain\x12@\n\x07\x45xplain\x12\x19.kvpick.v1.ExplainRequest\x1a\x1a.kvpick.v1.ExplainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,11 +40,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXPLAINREQUEST_HEADERSENTRY']._serialized_start=172
   _globals['_EXPLAINREQUEST_HEADERSENTRY']._serialized_end=218
   _globals['_ENDPOINTEXPLAIN']._serialized_start=221
-  _globals['_ENDPOINTEXPLAIN']._serialized_end=529
-  _globals['_ENDPOINTEXPLAIN_SCORESENTRY']._serialized_start=484
-  _globals['_ENDPOINTEXPLAIN_SCORESENTRY']._serialized_end=529
-  _globals['_EXPLAINRESPONSE']._serialized_start=532
-  _globals['_EXPLAINRESPONSE']._serialized_end=671
-  _globals['_EXPLAIN']._serialized_start=673
-  _globals['_EXPLAIN']._serialized_end=748
+  _globals['_ENDPOINTEXPLAIN']._serialized_end=566
+  _globals['_ENDPOINTEXPLAIN_SCORESENTRY']._serialized_start=521
+  _globals['_ENDPOINTEXPLAIN_SCORESENTRY']._serialized_end=566
+  _globals['_LOADMODEL']._serialized_start=569
+  _globals['_LOADMODEL']._serialized_end=773
+  _globals['_EXPLAINRESPONSE']._serialized_start=776
+  _globals['_EXPLAINRESPONSE']._serialized_end=915
+  _globals['_EXPLAIN']._serialized_start=917
+  _globals['_EXPLAIN']._serialized_end=992
 # @@protoc_insertion_point(module_scope)

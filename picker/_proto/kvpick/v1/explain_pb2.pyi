@@ -26,7 +26,7 @@ class ExplainRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., body: _Optional[bytes] = ..., policy: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class EndpointExplain(_message.Message):
-    __slots__ = ("endpoint", "matched_blocks", "cached_tokens_est", "ttft_estimate_s", "score", "scores", "health", "in_flight_requests", "waiting", "kv_usage")
+    __slots__ = ("endpoint", "matched_blocks", "cached_tokens_est", "ttft_estimate_s", "score", "scores", "health", "in_flight_requests", "waiting", "kv_usage", "model")
     class ScoresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class EndpointExplain(_message.Message):
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     matched_blocks: int
     cached_tokens_est: int
@@ -54,7 +55,26 @@ class EndpointExplain(_message.Message):
     in_flight_requests: int
     waiting: float
     kv_usage: float
-    def __init__(self, endpoint: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., cached_tokens_est: _Optional[int] = ..., ttft_estimate_s: _Optional[float] = ..., score: _Optional[float] = ..., scores: _Optional[_Mapping[str, float]] = ..., health: _Optional[str] = ..., in_flight_requests: _Optional[int] = ..., waiting: _Optional[float] = ..., kv_usage: _Optional[float] = ...) -> None: ...
+    model: LoadModel
+    def __init__(self, endpoint: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., cached_tokens_est: _Optional[int] = ..., ttft_estimate_s: _Optional[float] = ..., score: _Optional[float] = ..., scores: _Optional[_Mapping[str, float]] = ..., health: _Optional[str] = ..., in_flight_requests: _Optional[int] = ..., waiting: _Optional[float] = ..., kv_usage: _Optional[float] = ..., model: _Optional[_Union[LoadModel, _Mapping]] = ...) -> None: ...
+
+class LoadModel(_message.Message):
+    __slots__ = ("prefill_tokens_per_s", "prefill_source", "step_base_s", "step_per_seq_s", "step_source", "uncached_tokens_per_request", "first_byte_rate_crosscheck")
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_BASE_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_PER_SEQ_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    UNCACHED_TOKENS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BYTE_RATE_CROSSCHECK_FIELD_NUMBER: _ClassVar[int]
+    prefill_tokens_per_s: float
+    prefill_source: str
+    step_base_s: float
+    step_per_seq_s: float
+    step_source: str
+    uncached_tokens_per_request: float
+    first_byte_rate_crosscheck: float
+    def __init__(self, prefill_tokens_per_s: _Optional[float] = ..., prefill_source: _Optional[str] = ..., step_base_s: _Optional[float] = ..., step_per_seq_s: _Optional[float] = ..., step_source: _Optional[str] = ..., uncached_tokens_per_request: _Optional[float] = ..., first_byte_rate_crosscheck: _Optional[float] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
     __slots__ = ("policy", "prompt_tokens_est", "blocks", "chosen", "endpoints")

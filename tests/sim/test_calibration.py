@@ -1,0 +1,145 @@
+"""The load model calibrates itself from the replicas' own metrics (``picker.calibration``).
+
+Two simulated replicas of different speeds, in discrete-event time (``replica.sim.cluster``: the
+same engine stats the HTTP ``/metrics`` exports, scraped every 200 ms). Linear profiles make the
+truth exact: a step computing ``T`` tokens for ``S`` requests takes ``overhead + T * per_token +
+S * per_seq``, so the prefill rate is ``1 / per_token`` uncached tokens/s and a decode step with
+``b`` running requests takes ``overhead + b * (per_token + per_seq)``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from picker.calibration import CalibrationConfig, Calibrator, delta
+from picker.endpoints.types import Endpoint, EndpointMetrics, EndpointModel, EndpointState
+from replica.sim import trace
+from replica.sim.cluster import Cluster
+from replica.sim.costmodel import Profile
+
+FAST = Profile("fast", None, None, overhead_s=0.004, per_token_s=50e-6, per_seq_s=1e-3)
+SLOW = Profile("slow", None, None, overhead_s=0.012, per_token_s=150e-6, per_seq_s=3e-3)
+SCRAPES = 150
+"""N: 150 scrapes (30 s of simulated traffic at one scrape per 200 ms)."""
+
+
+def rows(seconds: float, rate: float, seed: int = 0) -> list[trace.Row]:
+    """Poisson arrivals of unrelated prompts (256–2,048 tokens) with 16–64 output tokens."""
+    rng = random.Random(seed)
+    out, t, i = [], 0.0, 0
+    while t < seconds:
+        t += rng.expovariate(rate)
+        n_in = rng.randrange(256, 2048)
+        ids = tuple(rng.randrange(1 << 30) for _ in range(-(-n_in // 512)))
+        out.append(trace.Row(i, t, n_in, rng.randrange(16, 64), ids))
+        i += 1
+    return out
+
+
+def truth(p: Profile) -> tuple[float, float, float]:
+    return 1.0 / p.per_token_s, p.overhead_s, p.per_token_s + p.per_seq_s
+
+
+@pytest.fixture(scope="module")
+def calibrated() -> Cluster:
+    c = Cluster(2, "round-robin", [FAST, SLOW], block_size=16)
+    c.run(rows(SCRAPES * 0.2, 3.0))  # 1.5 req/s each: about 1.8 running on average
+    return c
+
+
+def test_each_estimate_is_within_20_percent_of_the_truth(calibrated: Cluster) -> None:
+    for state, prof in zip(calibrated.pool, (FAST, SLOW), strict=True):
+        m = state.model
+        rate, base, per_seq = truth(prof)
+        assert m.prefill_rate == pytest.approx(rate, rel=0.2), (prof.name, m)
+        # The step line where it was measured: 1–2 running requests. That spread is too narrow to
+        # fit a slope (CalibrationConfig.min_batch_spread), so the level is measured and the
+        # slope's shape is the defaults': at 8 running it is off by a third here.
+        for b in (1, 2):
+            assert m.step_s(b) == pytest.approx(base + per_seq * b, rel=0.2), (prof.name, b, m)
+        assert m.prefill_source.startswith("calibrated from "), m.prefill_source
+        assert m.step_source.startswith("calibrated from "), m.step_source
+
+
+def test_the_slow_replica_gets_the_higher_estimates(calibrated: Cluster) -> None:
+    fast, slow = (s.model for s in calibrated.pool)
+    assert slow.prefill_rate < fast.prefill_rate / 2
+    assert slow.step_s(4) > 2 * fast.step_s(4)
+
+
+def scrape(
+    t: float, computed: float, seconds: float, n: float, itl: float, itl_n: float, running: float = 2.0
+) -> EndpointMetrics:
+    return EndpointMetrics(
+        running=running,
+        prefill_computed_tokens_sum=computed,
+        prefill_seconds_sum=seconds,
+        prefill_count=n,
+        itl_seconds_sum=itl,
+        itl_count=itl_n,
+        updated_at=t,
+    )
+
+
+def test_defaults_until_the_pool_has_seen_work() -> None:
+    cal, s = Calibrator(), EndpointState(Endpoint("10.0.0.1", 1))
+    for t in range(5):
+        s.metrics = scrape(float(t), 0, 0, 0, 0, 0)
+        cal.observe(s)
+    assert s.model == CalibrationConfig().default_model()
+    assert (s.model.prefill_source, s.model.step_source) == ("default", "default")
+
+
+def test_an_endpoint_with_few_scrapes_is_pooled_and_its_factor_shrinks_toward_one() -> None:
+    """Eight busy endpoints at 1,000 tokens/s; a ninth, twice as fast, is seen once: its rate
+    stays near the pool's; after many scrapes it is its own."""
+    cal = Calibrator()
+    pool = [EndpointState(Endpoint("10.0.0.1", p)) for p in range(1, 10)]
+    step = 0.01  # ITL 10 ms at 2 running
+
+    def feed(state: EndpointState, k: int, rate: float) -> None:
+        # per scrape: 2 requests of 500 uncached tokens; prefill seconds = tokens / rate + one step each
+        secs = k * (1000 / rate + 2 * cal.cfg.default_model().step_s(2))
+        state.metrics = scrape(float(k), 1000.0 * k, secs, 2.0 * k, step * 10 * k, 10.0 * k)
+        cal.observe(state)
+
+    for k in range(40):
+        for s in pool[:8]:
+            feed(s, k, 1000.0)
+    fast = pool[8]
+    feed(fast, 0, 2000.0)
+    feed(fast, 1, 2000.0)
+    assert fast.model.prefill_source == "pooled across endpoints (1 own scrapes)"
+    # one delta moves a factor of 2 by 1/9 (in log): 8%, inside the dead band, so the pool's rate
+    assert fast.model.prefill_rate == pytest.approx(cal.pool.pf_tokens / cal.pool.pf_seconds)
+    assert fast.model.prefill_rate < 1100.0
+    for k in range(2, 200):
+        feed(fast, k, 2000.0)
+    assert fast.model.prefill_source.startswith("calibrated from ")
+    assert fast.model.prefill_rate == pytest.approx(2000.0, rel=0.1)
+
+
+def test_a_restarted_replica_is_not_a_negative_delta() -> None:
+    prev = scrape(1.0, 5000, 5, 10, 1, 100)
+    assert delta(prev, scrape(2.0, 10, 0.01, 1, 0.1, 10)) is None
+    assert delta(prev, scrape(1.0, 6000, 6, 11, 2, 200)) is None, "no time passed"
+    d = delta(prev, scrape(2.0, 6000, 6, 11, 2, 200))
+    assert d is not None and (d.uncached_tokens, d.prefill_requests, d.itl_tokens) == (1000, 1, 100)
+
+
+def test_leaving_the_pool_takes_the_endpoints_data_out_of_the_pooled_sums() -> None:
+    cal = Calibrator()
+    a, b = EndpointState(Endpoint("10.0.0.1", 1)), EndpointState(Endpoint("10.0.0.1", 2))
+    for k in range(3):
+        for s in (a, b):
+            s.metrics = scrape(float(k), 1000.0 * k, 1.0 * k, 2.0 * k, 0.1 * k, 10.0 * k)
+            cal.observe(s)
+    cal.forget(a)
+    cal.forget(b)
+    assert cal.pool.pf_tokens == pytest.approx(0.0, abs=1e-9) and cal.pool.pf_n == 0 and cal.pool.d_n == 0
+
+
+def test_the_model_is_what_the_cost_scorer_reads() -> None:
+    assert EndpointModel().step_s(10) == pytest.approx(0.005 + 10 * 0.0005)
