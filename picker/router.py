@@ -154,41 +154,44 @@ class Router:
     def cycle(
         self, req: InferenceRequest, candidates: list[EndpointState]
     ) -> tuple[Cycle, list[int], list[int] | None]:
+        """The cycle's inputs, the routing text's block hashes (approximate index) and, when
+        precise matching applies, the prompt's KV-block keys."""
+        priority = self.cfg.objectives.get(req.objective, self.cfg.default_priority)
+        tokens, bs = req.prompt_token_ids, self.precise_block_size()
+        exact = [e.key for e in candidates if self.is_precise(e.key)] if tokens is not None and bs else []
+        if exact:
+            return self._precise_cycle(req, candidates, exact, priority)
         text = req.routing_text.encode()
         hashes = self._hash_memo.hashes(text, seed_for(req.model, req.lora, req.cache_salt))
-        tokens = req.prompt_token_ids
         if tokens is not None:
             prompt_tokens = len(tokens)
         else:
             prompt_tokens = max(1, int(len(text) / self.cfg.index.chars_per_token))
         block_tokens = prompt_tokens / len(hashes) if tokens is not None and hashes else self._block_tokens
-        priority = self.cfg.objectives.get(req.objective, self.cfg.default_priority)
-        keys: list[int] | None = None
-        bs = self.precise_block_size()
-        exact = [e.key for e in candidates if self.is_precise(e.key)] if tokens is not None and bs else []
-        if not exact:
-            matches = self.index.match_many([e.key for e in candidates], hashes)
-            cyc = Cycle(
-                req,
-                prompt_tokens,
-                block_tokens,
-                len(hashes),
-                matches,
-                self.clock(),
-                priority,
-            )
-            return cyc, hashes, None
-        assert self.precise is not None and tokens is not None, "precise endpoints without an index"
-        # Precise: the cycle counts KV blocks of ``bs`` tokens; approximate endpoints' text-block
-        # matches are converted to whole KV blocks.
+        matches = self.index.match_many([e.key for e in candidates], hashes)
+        cyc = Cycle(req, prompt_tokens, block_tokens, len(hashes), matches, self.clock(), priority)
+        return cyc, hashes, None
+
+    def _precise_cycle(
+        self, req: InferenceRequest, candidates: list[EndpointState], exact: list[str], priority: int
+    ) -> tuple[Cycle, list[int], list[int] | None]:
+        """The cycle counts KV blocks of the engine's block size. Endpoints not routed precisely
+        (none, usually: then the routing text is not even hashed) get their approximate
+        text-block matches converted to whole KV blocks."""
+        assert self.precise is not None and req.prompt_token_ids is not None, "precise cycle without tokens"
+        tokens, bs = req.prompt_token_ids, self.precise_block_size()
         keys = request_keys(tokens, bs, req.lora, req.cache_salt)
         now = self.clock()
         matches = self.precise.match_many(exact, keys, now)
         rest = [e.key for e in candidates if e.key not in matches]
+        hashes: list[int] = []
         if rest:
+            seed = seed_for(req.model, req.lora, req.cache_salt)
+            hashes = self._hash_memo.hashes(req.routing_text.encode(), seed)
+            block_tokens = len(tokens) / len(hashes) if hashes else self._block_tokens
             for k, m in self.index.match_many(rest, hashes).items():
                 matches[k] = int(m * block_tokens / bs)
-        cyc = Cycle(req, prompt_tokens, float(bs), len(keys), matches, now, priority)
+        cyc = Cycle(req, len(tokens), float(bs), len(keys), matches, now, priority)
         return cyc, hashes, keys
 
     def route(

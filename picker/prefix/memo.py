@@ -26,8 +26,8 @@ MIN_BLOCKS = 8
 """Shorter texts are hashed directly: the look-up would cost more than it saves."""
 
 
-def common_prefix(a: bytes, b: bytes) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``."""
+def common_prefix(a: bytes | str, b: bytes | str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (both bytes or both str)."""
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:  # invariant: a[:lo] == b[:lo], and the answer is at most hi
         mid = (lo + hi + 1) // 2

@@ -11,9 +11,10 @@ the picker does not depend on):
 
 State, one writer each:
 
-- ``_held[slot]``: engine hash → ``[our key, copies]``, written by :meth:`stored` / :meth:`removed`
-  / :meth:`clear` (the endpoint's KV-event subscriber). ``copies`` counts engine blocks carrying
-  that hash (vLLM may cache one hash twice and then sends one ``BlockRemoved`` per block).
+- ``_held[slot]``: engine hash → our key, written by :meth:`stored` / :meth:`removed` /
+  :meth:`clear` (the endpoint's KV-event subscriber); ``_copies[slot]``: engine hash → extra
+  engine blocks carrying it (vLLM may cache one hash twice and then sends one ``BlockRemoved``
+  per block; rare, so kept apart to keep ``_held`` small).
 - ``_mask``: our key → bitmask of slots holding it, and ``_dup`` (keys carried by more than one
   engine hash): derived from ``_held``, same writer.
 - ``_spec_mask`` / ``_spec_until``: speculative entries, written by :meth:`speculate` (the router,
@@ -93,7 +94,8 @@ class PreciseIndex:
         self.max_blocks, self.spec_ttl_s, self.max_speculative = max_blocks, spec_ttl_s, max_speculative
         self._slots: dict[str, int] = {}
         self._free_slots: list[int] = []
-        self._held: dict[int, dict[int, list[int]]] = {}
+        self._held: dict[int, dict[Any, int]] = {}
+        self._copies: dict[int, dict[Any, int]] = {}
         self._mask: dict[int, int] = {}
         self._dup: dict[int, dict[int, int]] = {}
         """Per slot: our key → engine hashes beyond the first that carry it (rarely non-empty)."""
@@ -113,6 +115,7 @@ class PreciseIndex:
             s = self._free_slots.pop() if self._free_slots else len(self._slots)
             self._slots[key] = s
             self._held[s] = {}
+            self._copies[s] = {}
             self._dup[s] = {}
             self._spec_until[s] = {}
         return s
@@ -124,7 +127,7 @@ class PreciseIndex:
             return
         self.clear(key)
         self._drop_speculative(s)
-        del self._slots[key], self._held[s], self._dup[s], self._spec_until[s]
+        del self._slots[key], self._held[s], self._copies[s], self._dup[s], self._spec_until[s]
         self._free_slots.append(s)
 
     def clear(self, key: str) -> None:
@@ -133,13 +136,14 @@ class PreciseIndex:
         if s is None:
             return
         bit, mask = 1 << s, self._mask
-        for k, _ in self._held[s].values():
+        for k in self._held[s].values():
             m = mask.get(k, 0) & ~bit
             if m:
                 mask[k] = m
             else:
                 mask.pop(k, None)
         self._held[s] = {}
+        self._copies[s] = {}
         self._dup[s] = {}
 
     def size(self, key: str) -> int:
@@ -166,22 +170,22 @@ class PreciseIndex:
             p = held.get(parent_engine_hash)
             if p is None:
                 return False
-            parent = p[0]
+            parent = p
         keys = chain_keys(token_ids, block_size, extras, parent)
         assert len(keys) == len(engine_hashes), (
             f"{key}: BlockStored has {len(engine_hashes)} hashes for {len(token_ids)} tokens of {block_size}"
         )
         bit, mask, dup = 1 << s, self._mask, self._dup[s]
+        copies = self._copies[s]
         for eh, k in zip(engine_hashes, keys, strict=True):
-            entry = held.get(eh)
-            if entry is None:
-                held[eh] = [k, 1]
-                m = mask.get(k, 0)
-                if m & bit:  # rare: two engine hashes for one key (e.g. keys we do not fold)
-                    dup[k] = dup.get(k, 0) + 1
-                mask[k] = m | bit
-            else:
-                entry[1] += 1
+            if eh in held:
+                copies[eh] = copies.get(eh, 0) + 1
+                continue
+            held[eh] = k
+            m = mask.get(k, 0)
+            if m & bit:  # rare: two engine hashes for one key (e.g. keys we do not fold)
+                dup[k] = dup.get(k, 0) + 1
+            mask[k] = m | bit
         if len(held) > self.max_blocks:
             self.dropped[key] = self.dropped.get(key, 0) + 1
             self.clear(key)
@@ -189,16 +193,18 @@ class PreciseIndex:
 
     def removed(self, key: str, engine_hashes: Iterable[int]) -> None:
         s = self.slot(key)
-        held, mask, bit = self._held[s], self._mask, 1 << s
+        held, copies, mask, bit = self._held[s], self._copies[s], self._mask, 1 << s
         for eh in engine_hashes:
-            entry = held.get(eh)
-            if entry is None:
+            n = copies.get(eh)
+            if n is not None:  # another engine block still carries this hash
+                if n > 1:
+                    copies[eh] = n - 1
+                else:
+                    del copies[eh]
                 continue
-            entry[1] -= 1
-            if entry[1] > 0:
+            k = held.pop(eh, None)
+            if k is None:
                 continue
-            del held[eh]
-            k = entry[0]
             dup = self._dup[s]
             if k in dup:  # another engine hash still carries this key
                 dup[k] -= 1
@@ -276,12 +282,12 @@ class PreciseIndex:
         mask = 0
         for s in live:
             mask |= 1 << s
-        cmask, smask = self._mask, self._spec_mask
+        cget, sget = self._mask.get, self._spec_mask.get
         depth = 0
         for k in keys:
             if not mask:
                 break
-            m = (cmask.get(k, 0) | smask.get(k, 0)) & mask
+            m = (cget(k, 0) | sget(k, 0)) & mask
             if m != mask:
                 gone = mask & ~m
                 while gone:
@@ -299,7 +305,7 @@ class PreciseIndex:
     def holds(self, key: str) -> set[int]:
         """Our keys confirmed on ``key`` (tests compare them with a replica's true cache)."""
         s = self._slots.get(key)
-        return {k for k, _ in self._held[s].values()} if s is not None else set()
+        return set(self._held[s].values()) if s is not None else set()
 
     def engine_hashes(self, key: str) -> set[int]:
         s = self._slots.get(key)
@@ -309,8 +315,8 @@ class PreciseIndex:
         want: dict[int, int] = {}
         for s, held in self._held.items():
             assert len(held) <= self.max_blocks, f"slot {s} holds {len(held)} > {self.max_blocks} blocks"
-            for k, n in held.values():
-                assert n > 0, f"slot {s}: key {k} with {n} copies"
+            assert self._copies[s].keys() <= held.keys(), f"slot {s}: copies of hashes not held"
+            for k in held.values():
                 want[k] = want.get(k, 0) | (1 << s)
         assert want == self._mask, "the key → slots bitmask disagrees with the per-endpoint tables"
         assert self._spec_count == sum(len(u) for u in self._spec_until.values()), "speculative count drifted"

@@ -57,7 +57,7 @@ class PrefixTokenCache:
         if old == text:
             self.hits += 1
             return ids, ends
-        n = common_prefix(old.encode("utf-32-le"), text.encode("utf-32-le")) // 4
+        n = common_prefix(old, text)
         k = _cut(ids, ends, text, n, self.backoff)
         if k == 0:
             return None
