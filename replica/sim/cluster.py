@@ -57,7 +57,10 @@ class Replica:
     key: str
     core: EngineCore
     busy: bool = False
-    tickets: dict[int, tuple[Ticket, float]] = field(default_factory=dict)
+    tickets: dict[int, tuple[Router, Ticket, float]] = field(default_factory=dict)
+
+
+SHARE = frozenset({"inflight", "picks"})
 
 
 @dataclass
@@ -77,6 +80,10 @@ class Result:
     throughput_rps: float
     sim_seconds: float
     wall_seconds: float
+    pickers: int = 1
+    share: str = ""
+    agreement: float = 1.0
+    """Fraction of decisions another picker would have made the same (1 with one picker)."""
 
 
 class Cluster:
@@ -91,18 +98,21 @@ class Cluster:
         seed: int | None = 0,
         router_cfg: RouterConfig | None = None,
         event_delay_s: float = 0.05,
+        pickers: int = 1,
+        share: frozenset[str] = frozenset(),
     ) -> None:
+        assert pickers >= 1 and share <= SHARE, f"bad pickers {pickers} / share {sorted(share)}"
         self.now = 0.0
         self.event_delay_s = event_delay_s
         profs = [prof] if isinstance(prof, Profile) else list(prof)
         assert profs, "a cluster needs at least one profile"
         self.model, self.prof = model, profs[0]
-        self.pool = Pool()
-        self.pool.set_endpoints(Endpoint(f"10.0.{i // 250}.{i % 250 + 1}", 8000) for i in range(n))
+        endpoints = [Endpoint(f"10.0.{i // 250}.{i % 250 + 1}", 8000) for i in range(n)]
         cfg_r = dataclasses.replace(router_cfg or RouterConfig(), policy=policy)
         if seed is not None:
             cfg_r = dataclasses.replace(cfg_r, profiles=seeded_profiles(cfg_r.profiles, seed))
-        self.router = Router(cfg_r, self.pool, clock=lambda: self.now)
+        self.pickers = self._pickers(cfg_r, endpoints, pickers, share)
+        self.router, self.pool = self.pickers[0], self.pickers[0].pool
         cfg = EngineConfig(block_size, scheduler=sched or SchedulerConfig())
         self._cfg_block_size = block_size
         self.precise = self.router.precise is not None
@@ -113,9 +123,13 @@ class Cluster:
             )
             for i, s in enumerate(self.pool)
         }
-        for key in self.replicas:
-            if self.precise:
-                self.router.syncs[key] = kv_events_in.Sync(kv_events_in.State.SYNCED, expected=0)
+        for r in self.pickers if self.precise else ():
+            for key in self.replicas:
+                r.syncs[key] = kv_events_in.Sync(kv_events_in.State.SYNCED, expected=0)
+        self._next_picker = itertools.count()
+        self.decisions = 0
+        self.agreed = 0
+        """Decisions another picker, asked at the same moment, would have made the same."""
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
         self.ttfts: list[float] = []
@@ -127,6 +141,28 @@ class Cluster:
     def _push(self, t: float, kind: str, payload: object) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
 
+    def _pickers(
+        self, cfg: RouterConfig, endpoints: list[Endpoint], n: int, share: frozenset[str]
+    ) -> list[Router]:
+        """``n`` pickers, as replicas of the picker service: each its own pool state (in-flight
+        counts), prefix index and speculative entries, unless ``share`` names ``inflight`` (one
+        pool: every picker sees every other's in-flight work at once) or ``picks`` (one index:
+        every pick broadcast at once as an index entry). Every picker gets every KV event."""
+        pools: list[Pool] = []
+        routers: list[Router] = []
+        for _ in range(n):
+            if "inflight" in share and pools:
+                pool = pools[0]
+            else:
+                pool = Pool()
+                pool.set_endpoints(endpoints)
+                pools.append(pool)
+            r = Router(cfg, pool, clock=lambda: self.now)
+            if "picks" in share and routers:
+                r.index, r.precise = routers[0].index, routers[0].precise
+            routers.append(r)
+        return routers
+
     def _publisher(self, key: str) -> Any:
         def publish(events: list[Event]) -> None:
             body = [kv_events.encode_event(e, self.block_size, {}) for e in events]
@@ -136,8 +172,13 @@ class Cluster:
         return publish
 
     def _deliver(self, key: str, payload: bytes) -> None:
-        assert self.router.precise is not None, "KV events without a precise index"
-        kv_events_in.apply(self.router.precise, key, kv_events_in.decode_batch(payload))
+        events = kv_events_in.decode_batch(payload)
+        done: set[int] = set()
+        for r in self.pickers:
+            assert r.precise is not None, "KV events without a precise index"
+            if id(r.precise) not in done:  # a shared index takes each event once
+                done.add(id(r.precise))
+                kv_events_in.apply(r.precise, key, events)
 
     def _kick(self, rep: Replica) -> None:
         if rep.busy:
@@ -150,13 +191,16 @@ class Cluster:
 
     def _arrive(self, row: trace.Row) -> None:
         toks, text = trace.tokens_and_text(row)
+        router = self.pickers[next(self._next_picker) % len(self.pickers)]
+        ir = InferenceRequest(
+            model=self.model,
+            routing_text=text,
+            request_id=str(row.index),
+            prompt_token_ids=toks if self.precise else None,
+        )
         try:
-            ids = tuple(toks) if self.precise else None
-            decision = self.router.route(
-                InferenceRequest(
-                    model=self.model, routing_text=text, request_id=str(row.index), prompt_token_ids=ids
-                )
-            )
+            decision = router.route(ir)
+            self._agreement(router, ir, decision.primary.key)
         except PickerError:
             self.errors += 1
             return
@@ -164,49 +208,58 @@ class Cluster:
         if row.input_length + row.output_length > rep.core.max_model_len:
             self.errors += 1  # vLLM answers 400: longer than max_model_len
             return
-        ticket = self.router.start(decision)
+        ticket = router.start(decision)
         req = Request(toks, row.output_length, rep.core.pool.block_size, arrival=self.now)
         self.sent.append((len(toks), req.hashes.copy()))
-        rep.tickets[req.request_id] = (ticket, self.now)
+        rep.tickets[req.request_id] = (router, ticket, self.now)
         rep.core.sched.add(req)
         self._kick(rep)
 
     def _step(self, rep: Replica, step: Step) -> None:
         rep.busy = False
         for req in rep.core.end(step, self.now):
-            ticket, arrived = rep.tickets[req.request_id]
+            router, ticket, arrived = rep.tickets[req.request_id]
             if req.num_output == 1:
-                self.router.first_token(ticket)
+                router.first_token(ticket)
                 self.ttfts.append(self.now - arrived)
             if req.finished:
-                self.router.finish(ticket)
+                router.finish(ticket)
                 del rep.tickets[req.request_id]
                 self.done += 1
         self._kick(rep)
 
+    def _agreement(self, router: Router, req: InferenceRequest, chosen: str) -> None:
+        """Would the next picker, asked now with its own state, pick the same endpoint?"""
+        if len(self.pickers) < 2:
+            return
+        other = self.pickers[(self.pickers.index(router) + 1) % len(self.pickers)]
+        self.decisions += 1
+        self.agreed += other.route(req, commit=False).primary.key == chosen
+
     def _scrape(self) -> None:
-        for rep in self.replicas.values():
-            state = self.pool.get(rep.key)
-            assert state is not None, f"replica {rep.key} left the pool"
-            sched, kv, st = rep.core.sched, rep.core.pool, rep.core.stats
-            state.metrics = EndpointMetrics(
-                waiting=float(len(sched.waiting)),
-                running=float(len(sched.running)),
-                kv_usage=kv.usage(),
-                block_size=kv.block_size,
-                num_gpu_blocks=kv.num_blocks,
-                prefix_queries_total=float(sched.queries),
-                prefix_hits_total=float(sched.hits),
-                prompt_tokens_total=float(st.prompt_tokens),
-                prefill_seconds_sum=st.prefill.total,
-                prefill_count=float(st.prefill.count),
-                prefill_computed_tokens_sum=st.prefill_kv_computed.total,
-                itl_seconds_sum=st.itl.total,
-                itl_count=float(st.itl.count),
-                updated_at=self.now,
-            )
-            state.health = Health.READY
-            self.router.on_scrape(state)
+        for router in self.pickers:
+            for rep in self.replicas.values():
+                state = router.pool.get(rep.key)
+                assert state is not None, f"replica {rep.key} left the pool"
+                sched, kv, st = rep.core.sched, rep.core.pool, rep.core.stats
+                state.metrics = EndpointMetrics(
+                    waiting=float(len(sched.waiting)),
+                    running=float(len(sched.running)),
+                    kv_usage=kv.usage(),
+                    block_size=kv.block_size,
+                    num_gpu_blocks=kv.num_blocks,
+                    prefix_queries_total=float(sched.queries),
+                    prefix_hits_total=float(sched.hits),
+                    prompt_tokens_total=float(st.prompt_tokens),
+                    prefill_seconds_sum=st.prefill.total,
+                    prefill_count=float(st.prefill.count),
+                    prefill_computed_tokens_sum=st.prefill_kv_computed.total,
+                    itl_seconds_sum=st.itl.total,
+                    itl_count=float(st.itl.count),
+                    updated_at=self.now,
+                )
+                state.health = Health.READY
+                router.on_scrape(state)
 
     def run(self, rows: list[trace.Row], time_scale: float = 1.0, scrape_s: float = 0.2) -> None:
         for row in rows:
@@ -267,6 +320,8 @@ def simulate(
     router_cfg: RouterConfig | None = None,
     prefix_mode: str = "approximate",
     event_delay_s: float = 0.05,
+    pickers: int = 1,
+    share: frozenset[str] = frozenset(),
 ) -> Result:
     """Route ``rows`` over ``n`` engines under ``policy`` (a built-in, or a profile of
     ``router_cfg``, the picker's own config as ``--config-file`` loads it)."""
@@ -275,7 +330,17 @@ def simulate(
     router_cfg = dataclasses.replace(
         router_cfg, prefix=dataclasses.replace(router_cfg.prefix, mode=prefix_mode)
     )
-    c = Cluster(n, policy, prof, sched=sched, seed=seed, router_cfg=router_cfg, event_delay_s=event_delay_s)
+    c = Cluster(
+        n,
+        policy,
+        prof,
+        sched=sched,
+        seed=seed,
+        router_cfg=router_cfg,
+        event_delay_s=event_delay_s,
+        pickers=pickers,
+        share=share,
+    )
     c.run(rows, time_scale)
     q = statistics.quantiles(c.ttfts, n=100) if len(c.ttfts) >= 2 else [0.0] * 99
     return Result(
@@ -294,6 +359,9 @@ def simulate(
         c.done / c.now if c.now else 0.0,
         c.now,
         time.perf_counter() - t0,
+        pickers,
+        ",".join(sorted(share)),
+        c.agreed / c.decisions if c.decisions else 1.0,
     )
 
 
@@ -330,6 +398,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--event-delay-s", type=float, default=0.05, help="KV-event delivery delay (precise mode), seconds"
     )
+    p.add_argument("--pickers", type=int, default=1, help="picker replicas; requests go to them in turn")
+    p.add_argument(
+        "--share",
+        default="",
+        help="what the pickers share at once: inflight, picks, inflight+picks, or '' (only the KV events); "
+        "comma-separated to compare",
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     rows = trace.read(a.trace, a.limit)
@@ -352,17 +427,20 @@ def main(argv: list[str] | None = None) -> int:
             router_cfg,
             mode,
             a.event_delay_s,
+            a.pickers,
+            frozenset(x for x in sh.split("+") if x),
         )
         for mode in a.prefix_mode.split(",")
         for pol in a.policy.split(",")
+        for sh in a.share.split(",")
     ]
     print(
-        f"{'policy':<14}{'prefix':<12}{'hit rate':>9}{'ideal':>7}{'LRU':>7}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
+        f"{'policy':<14}{'prefix':<12}{'share':<16}{'agree':>6}{'hit rate':>9}{'ideal':>7}{'LRU':>7}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
         f"{'req/s':>8}{'errors':>7}{'wall s':>8}"
     )
     for r in results:
         print(
-            f"{r.policy:<14}{r.prefix_mode:<12}{r.hit_rate:>9.3f}{r.ideal_hit_rate:>7.3f}{r.lru_hit_rate:>7.3f}"
+            f"{r.policy:<14}{r.prefix_mode:<12}{r.share or '-':<16}{r.agreement:>6.3f}{r.hit_rate:>9.3f}{r.ideal_hit_rate:>7.3f}{r.lru_hit_rate:>7.3f}"
             f"{r.ttft_p50:>10.3f}{r.ttft_p90:>9.3f}{r.ttft_p99:>9.3f}{r.throughput_rps:>8.2f}"
             f"{r.errors:>7}{r.wall_seconds:>8.1f}"
         )
