@@ -146,10 +146,16 @@ class Router:
         return sync.state is State.WAITING and self.cfg.prefix.mode == "precise"
 
     def precise_block_size(self) -> int:
-        """Tokens per KV block for request keys: configured, else learned from the events (0: none yet)."""
+        """Tokens per KV block for request keys: configured, else learned from the events or the
+        scraped cache config (0: none yet)."""
         if self.cfg.prefix.block_size:
             return self.cfg.prefix.block_size
-        return self.precise.block_size if self.precise is not None else 0
+        if self.precise is None:
+            return 0
+        if self.precise.block_size:
+            return self.precise.block_size
+        # no event yet: the scraped vllm:cache_config_info
+        return next((s.metrics.block_size for s in self.pool if s.metrics.block_size), 0)
 
     def cycle(
         self, req: InferenceRequest, candidates: list[EndpointState]

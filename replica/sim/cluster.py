@@ -100,6 +100,7 @@ class Cluster:
         event_delay_s: float = 0.05,
         pickers: int = 1,
         share: frozenset[str] = frozenset(),
+        kv_blocks: int = 0,
     ) -> None:
         assert pickers >= 1 and share <= SHARE, f"bad pickers {pickers} / share {sorted(share)}"
         self.now = 0.0
@@ -113,7 +114,7 @@ class Cluster:
             cfg_r = dataclasses.replace(cfg_r, profiles=seeded_profiles(cfg_r.profiles, seed))
         self.pickers = self._pickers(cfg_r, endpoints, pickers, share)
         self.router, self.pool = self.pickers[0], self.pickers[0].pool
-        cfg = EngineConfig(block_size, scheduler=sched or SchedulerConfig())
+        cfg = EngineConfig(block_size, kv_blocks, scheduler=sched or SchedulerConfig())
         self._cfg_block_size = block_size
         self.precise = self.router.precise is not None
         self.replicas = {  # replica i runs profile i mod len(profs): a mixed pool alternates them
