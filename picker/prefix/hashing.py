@@ -36,7 +36,9 @@ class HashConfig:
 
 
 def seed_for(model: str, lora: str = "", salt: str = "") -> int:
-    return xxhash.xxh64_intdigest(f"{model}\x00{lora}\x00{salt}".encode())
+    """Length-prefixed, so no two (model, lora, salt) triples share an encoding (with NUL
+    separators a LoRA name of one NUL collided with a salt of one NUL; found by hypothesis)."""
+    return xxhash.xxh64_intdigest(f"{len(model)}:{model}{len(lora)}:{lora}{len(salt)}:{salt}".encode())
 
 
 def block_hashes(text: str | bytes, seed: int, cfg: HashConfig) -> list[int]:
