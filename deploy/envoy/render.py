@@ -17,10 +17,10 @@ Upstreams:
   policy, which reads the picker's ``envoy.lb`` metadata list (primary, then fallbacks). On a
   connect failure Envoy retries the next host in the list.
 
-Security (every config): before ext_proc runs, a header_mutation filter removes every client-sent
-``x-gateway-destination-endpoint*`` (the header, ``-subset`` and ``-served``),
-``x-gateway-model-name-rewrite`` and ``x-envoy-*`` header, so only the picker steers routing and no
-client sets Envoy's retry or timeout knobs; ``use_remote_address: true`` makes Envoy append the real
+Security (every config): before the route is chosen and ext_proc runs, an early header mutation
+removes every client-sent ``x-gateway-destination-endpoint*`` (the header, ``-subset`` and
+``-served``), ``x-gateway-model-name-rewrite`` and ``x-envoy-*`` header, so only the picker steers
+routing and no client sets Envoy's retry or timeout knobs; ``use_remote_address: true`` makes Envoy append the real
 peer to ``x-forwarded-for`` instead of trusting the client's.
 
 Failure mode (``failure_mode_allow``):
@@ -85,20 +85,24 @@ def _ext_proc(picker: str, failure_open: bool, request_mode: str, response_mode:
     }
 
 
-def _strip_headers() -> dict[str, Any]:
-    """Client-sent routing headers never reach ext_proc, the router or the upstream."""
-    prefix = [DEST, "x-envoy-"]
+def _strip_headers() -> list[dict[str, Any]]:
+    """Client-sent routing headers never reach route selection, ext_proc, the router or the
+    upstream. An early header mutation runs in the connection manager before the route is chosen:
+    a filter would run after it, and a forged destination header would already have picked the
+    ORIGINAL_DST route (with fail-open and the picker down, that request then had no host)."""
     mutations: list[dict[str, Any]] = [
-        {"remove_on_match": {"key_matcher": {"prefix": p, "ignore_case": True}}} for p in prefix
+        {"remove_on_match": {"key_matcher": {"prefix": p, "ignore_case": True}}} for p in (DEST, "x-envoy-")
     ]
     mutations.append({"remove": REWRITE})
-    return {
-        "name": "envoy.filters.http.header_mutation",
-        "typed_config": {
-            "@type": _T + "filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {"request_mutations": mutations},
-        },
-    }
+    return [
+        {
+            "name": "envoy.http.early_header_mutation.header_mutation",
+            "typed_config": {
+                "@type": _T + "http.early_header_mutation.header_mutation.v3.HeaderMutation",
+                "mutations": mutations,
+            },
+        }
+    ]
 
 
 def _addr(hostport: str) -> dict[str, Any]:
@@ -269,6 +273,7 @@ def _hcm(routes: list[dict[str, Any]], ext_proc: dict[str, Any], idle: str) -> d
         "stat_prefix": "kvpick",
         "codec_type": "AUTO",
         "use_remote_address": True,
+        "early_header_mutation_extensions": _strip_headers(),
         "stream_idle_timeout": idle,
         "request_headers_timeout": "10s",
         "common_http_protocol_options": {"idle_timeout": "300s"},
@@ -277,7 +282,6 @@ def _hcm(routes: list[dict[str, Any]], ext_proc: dict[str, Any], idle: str) -> d
             "virtual_hosts": [{"name": "kvpick", "domains": ["*"], "routes": routes}],
         },
         "http_filters": [
-            _strip_headers(),
             ext_proc,
             {
                 "name": "envoy.filters.http.router",

@@ -48,9 +48,10 @@ def test_every_shipped_config_is_hardened(name: str) -> None:
     cfg = _config(name)
     hcm = _hcm(cfg)
     assert hcm["use_remote_address"] is True
-    strip, ext_proc, router = hcm["http_filters"]
+    ext_proc, router = hcm["http_filters"]
     assert ext_proc["name"] == "envoy.filters.http.ext_proc" and router["name"].endswith("router")
-    removed = strip["typed_config"]["mutations"]["request_mutations"]
+    [strip] = hcm["early_header_mutation_extensions"]  # before route selection, not a filter
+    removed = strip["typed_config"]["mutations"]
     prefixes = {m["remove_on_match"]["key_matcher"]["prefix"] for m in removed if "remove_on_match" in m}
     assert prefixes == {"x-gateway-destination-endpoint", "x-envoy-"}
     assert {m["remove"] for m in removed if "remove" in m} == {"x-gateway-model-name-rewrite"}

@@ -115,7 +115,7 @@ def test_model_rewrite_set_by_a_trusted_gateway_rewrites_the_body(tmp_path: path
                     "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]},
             },
         }  # fmt: skip
-        hcm["http_filters"].insert(1, gateway_rewrite)  # after the strip, before ext_proc
+        hcm["http_filters"].insert(0, gateway_rewrite)  # after the (early) strip, before ext_proc
         st.start_envoy(config=yaml.safe_dump(doc))
         deadline = time.monotonic() + 20
         while (got := post_json(st.url + "/v1/completions", {"model": "m", "prompt": "hi"}))[0] != 200:

@@ -17,8 +17,21 @@ import asyncio
 import hashlib
 import json
 import socket
+from typing import Any
 
 from aiohttp import web
+
+
+def _reserved(name: str) -> bool:
+    n = name.lower()
+    return n.startswith(("x-envoy-", "x-gateway-destination-endpoint")) or n == "x-gateway-model-name-rewrite"
+
+
+def _num(value: object, default: float, kind: type, cap: float) -> Any:
+    """A small non-negative number from a (possibly fuzzed) body field, else ``default``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= cap:
+        return default
+    return kind(value)
 
 
 def make_app(port: int) -> web.Application:
@@ -32,17 +45,19 @@ def make_app(port: int) -> web.Application:
             "sha256": hashlib.sha256(body).hexdigest(),
             "bytes": len(body),
             "dest_header": req.headers.get("x-gateway-destination-endpoint", ""),
+            # What reached the replica of the headers only Envoy or the picker may set.
+            "gateway_headers": {k.lower(): v for k, v in req.headers.items() if _reserved(k)},
         }
         try:
             doc = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # fuzzed bodies: never a 500 from this double
             doc = {}
         info["model"] = doc.get("model") if isinstance(doc, dict) else None
         if isinstance(doc, dict) and doc.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(req)
-            n = int(doc.get("chunks", 5))
-            delay = float(doc.get("delay", 0.0))
+            n = _num(doc.get("chunks"), 5, int, 10_000)
+            delay = _num(doc.get("delay"), 0.0, float, 60.0)
             for i in range(n):
                 await resp.write(f"data: {json.dumps({'i': i, **info})}\n\n".encode())
                 if doc.get("reset_after") == i and req.transport is not None:
@@ -91,7 +106,7 @@ def make_app(port: int) -> web.Application:
     return app
 
 
-async def serve(ports: list[int]) -> None:
+async def serve(ports: list[int], host: str = "127.0.0.1") -> None:
     runners = []
     for port in ports:
         runner = web.AppRunner(make_app(port), access_log=None)
@@ -99,7 +114,7 @@ async def serve(ports: list[int]) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind(("127.0.0.1", port))
+        sock.bind((host, port))
         await web.SockSite(runner, sock).start()
         runners.append(runner)
     await asyncio.Event().wait()
@@ -108,4 +123,6 @@ async def serve(ports: list[int]) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--ports", required=True)
-    asyncio.run(serve([int(p) for p in ap.parse_args().ports.split(",")]))
+    ap.add_argument("--host", default="127.0.0.1", help="any 127.x.y.z: several replicas on one port")
+    a = ap.parse_args()
+    asyncio.run(serve([int(p) for p in a.ports.split(",")], a.host))
