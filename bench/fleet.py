@@ -12,8 +12,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from picker.endpoints.types import EndpointMetrics
+from picker.scrape import parse_metrics
 from replica.sim.stack import PY, Children, wait_port
 
 
@@ -45,6 +45,8 @@ class FleetConfig:
 class Counters:
     queries: float = 0.0
     hits: float = 0.0
+    requests: list[float] = field(default_factory=list)
+    """``vllm:request_success_total`` per replica, in fleet order."""
 
 
 @dataclass
@@ -86,33 +88,26 @@ class Fleet:
                     raise RuntimeError(f"{url} refused to reset its prefix cache: {status} {body[:200]!r}")
                 time.sleep(0.2)
 
-    def scrape(self) -> list[dict[str, float]]:
-        """Per replica: the vLLM counters and cache shape that the report uses."""
+    def scrape(self) -> list[EndpointMetrics]:
+        """Per replica: its vLLM metrics, read by the picker's own parser."""
         self.children.check()  # a dead replica is reported with its log tail, not as a refused connection
         out = []
         for url in self.urls:
             _, text = http("GET", url + "/metrics")
-            v: dict[str, float] = {}
-            for fam in text_string_to_metric_families(text.decode()):
-                for s in fam.samples:
-                    if s.name == "vllm:cache_config_info":
-                        v["block_size"] = float(s.labels["block_size"])
-                        v["num_gpu_blocks"] = float(s.labels["num_gpu_blocks"])
-                    elif s.name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
-                        v[s.name] = v.get(s.name, 0.0) + s.value
-            out.append(v)
+            out.append(parse_metrics(text.decode()))
         return out
 
     def counters(self) -> Counters:
         c = Counters()
-        for v in self.scrape():
-            c.queries += v.get("vllm:prefix_cache_queries_total", 0.0)
-            c.hits += v.get("vllm:prefix_cache_hits_total", 0.0)
+        for m in self.scrape():
+            c.queries += m.prefix_queries_total
+            c.hits += m.prefix_hits_total
+            c.requests.append(m.request_success_total)
         return c
 
     def cache_shape(self) -> tuple[int, int]:
         """(block size in tokens, total KV blocks over all replicas)."""
         shapes = self.scrape()
-        sizes = {int(v["block_size"]) for v in shapes}
-        assert len(sizes) == 1, f"replicas disagree on block size: {sizes}"
-        return sizes.pop(), sum(int(v["num_gpu_blocks"]) for v in shapes)
+        sizes = {m.block_size for m in shapes}
+        assert len(sizes) == 1 and None not in sizes, f"replicas disagree on block size: {sizes}"
+        return int(shapes[0].block_size or 0), sum(m.num_gpu_blocks or 0 for m in shapes)

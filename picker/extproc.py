@@ -35,9 +35,10 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from picker import request as request_mod
+from picker.accounting import Ticket
 from picker.endpoints.types import Endpoint
 from picker.errors import BodyTooLarge, InternalError, PickerError
-from picker.router import Router, Ticket
+from picker.router import Router
 from picker.telemetry import Telemetry
 
 log = logging.getLogger(__name__)

@@ -67,10 +67,12 @@ def debug_app(router: Router) -> web.Application:
             {
                 s.key: {
                     "health": s.health.value,
-                    "in_flight_requests": s.in_flight_requests,
-                    "in_flight_tokens": s.in_flight_tokens,
-                    "pending_prefill_tokens": s.pending_prefill_tokens,
-                    "prefill_rate": s.prefill_rate,
+                    "in_flight_requests": s.load.in_flight_requests,
+                    "in_flight_tokens": s.load.in_flight_tokens,
+                    "pending_prefill_tokens": s.load.pending_prefill_tokens,
+                    "first_byte_rate": s.load.first_byte_rate,
+                    "prefill_rate": s.model.prefill_rate,
+                    "prefill_source": s.model.prefill_source,
                     "waiting": s.metrics.waiting,
                     "running": s.metrics.running,
                     "kv_usage": s.metrics.kv_usage,

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
+from picker.accounting import Accounting, Ticket
 from picker.calibration import Calibrator
 from picker.config import RouterConfig, build_profile
 from picker.endpoints.pool import Pool
@@ -56,31 +57,6 @@ class Decision:
         return self.result.chosen
 
 
-@dataclass(slots=True)
-class Ticket:
-    """One request's accounting, charged to ``state`` (the endpoint credited with it: the
-    primary, until :meth:`Router.recredit` moves it to the endpoint Envoy says served it)."""
-
-    state: EndpointState
-    prompt_tokens: int
-    uncached_tokens: int
-    queued_tokens: int
-    started: float
-    first_token_at: float = 0.0
-    done: bool = False
-    matched_blocks: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
-    cycle: Cycle | None = None
-    """The cycle that picked: its matches price a re-credited endpoint's cached tokens."""
-    hashes: Sequence[int] = ()
-    """The request's block hashes (the list the index recorded; not a copy)."""
-
-
-def _ewma(current: float, observed: float, alpha: float) -> float:
-    """The first observation is taken as is (``current`` 0 means none yet)."""
-    return observed if current <= 0 else (1 - alpha) * current + alpha * observed
-
-
 class Router:
     def __init__(
         self,
@@ -99,9 +75,7 @@ class Router:
             p.timer = plugin_timer
         self.profile = self.profiles[cfg.policy]
         self._block_tokens = cfg.hashing.block_size / cfg.index.chars_per_token
-        self.prefill_rate = 0.0
-        """Cross-check only: pool-wide per-request prefill tokens/s (EWMA over first bytes of 2xx
-        streamed responses). The cost scorer ranks on the calibrated model, not on this."""
+        self.accounting = Accounting(cfg.rate_ewma_alpha, clock)
         self.calibrator = Calibrator(cfg.calibration)
         for state in pool:
             state.model = cfg.calibration.default_model()
@@ -227,49 +201,30 @@ class Router:
         best: EndpointState | None = None
         for e in self.pool.routable():
             if (subset is None or e.key in subset) and (
-                best is None or e.in_flight_requests < best.in_flight_requests
+                best is None or e.load.in_flight_requests < best.load.in_flight_requests
             ):
                 best = e
         if best is None:
             raise NoEndpoints("no ready endpoint in the pool" + (" subset" if subset is not None else ""))
         return best
 
+    @property
+    def prefill_rate(self) -> float:
+        """Cross-check only: the pool-wide first-byte prefill rate (:mod:`picker.accounting`).
+        The cost scorer ranks on the calibrated model, not on this."""
+        return self.accounting.first_byte_rate
+
     def start(self, decision: Decision) -> Ticket:
+        """The request was sent to the primary: the index records it, accounting charges it."""
         state = decision.primary
         cyc = decision.cycle
         self.index.record(state.key, decision.hashes)
         if decision.keys and self.precise is not None:
             self.precise.speculate(state.key, decision.keys, self.clock())
         uncached = cyc.prompt_tokens - cyc.cached_tokens(state.key)
-        ticket = Ticket(
-            state,
-            cyc.prompt_tokens,
-            uncached,
-            state.pending_prefill_tokens,
-            self.clock(),
-            matched_blocks=cyc.matches.get(state.key, 0),
-            cycle=cyc,
-            hashes=decision.hashes,
+        return self.accounting.start(
+            state, cyc.prompt_tokens, uncached, cyc.matches.get(state.key, 0), cyc, decision.hashes
         )
-        self._charge(ticket)
-        return ticket
-
-    @staticmethod
-    def _charge(ticket: Ticket) -> None:
-        state = ticket.state
-        state.in_flight_requests += 1
-        state.in_flight_tokens += ticket.prompt_tokens
-        state.pending_prefill_tokens += ticket.uncached_tokens
-
-    @staticmethod
-    def _discharge(ticket: Ticket) -> None:
-        state = ticket.state
-        if not ticket.first_token_at:
-            state.pending_prefill_tokens = max(0, state.pending_prefill_tokens - ticket.uncached_tokens)
-        state.in_flight_requests -= 1
-        state.in_flight_tokens -= ticket.prompt_tokens
-        assert state.in_flight_requests >= 0, f"{state.key}: in-flight requests went negative"
-        assert state.in_flight_tokens >= 0, f"{state.key}: in-flight tokens went negative"
 
     def recredit(self, ticket: Ticket, key: str) -> bool:
         """Move ``ticket`` to endpoint ``key``, the one that served it (Envoy fell back): its
@@ -283,48 +238,20 @@ class Router:
         new = self.pool.get(key)
         if new is None:
             return False
-        old = ticket.state
-        self._discharge(ticket)
-        self.index.discard(old.key, ticket.hashes[ticket.matched_blocks :])
+        self.index.discard(ticket.state.key, ticket.hashes[ticket.matched_blocks :])
         cyc = ticket.cycle
         matched = cyc.matches.get(key, self.index.match(key, ticket.hashes)) if cyc else 0
         cached = min(ticket.prompt_tokens, int(matched * cyc.block_tokens)) if cyc else 0
-        ticket.state = new
-        ticket.matched_blocks = matched
-        ticket.uncached_tokens = ticket.prompt_tokens - cached
-        ticket.queued_tokens = new.pending_prefill_tokens
-        if not ticket.first_token_at:
-            self._charge(ticket)
-        else:  # prefill already over: only the in-flight counts move
-            new.in_flight_requests += 1
-            new.in_flight_tokens += ticket.prompt_tokens
+        self.accounting.move(ticket, new, ticket.prompt_tokens - cached, matched)
         self.index.record(key, ticket.hashes)
         return True
 
     def first_token(self, ticket: Ticket, measure: bool = True) -> None:
-        """The first response byte: the request's prefill is no longer pending. With ``measure``
-        (a 2xx streamed response only: an error or a whole non-streamed body says nothing about
-        prefill speed) the time also feeds the cross-check rate."""
-        if ticket.done or ticket.first_token_at:
-            return
-        now = self.clock()
-        ticket.first_token_at = now
-        state = ticket.state
-        state.pending_prefill_tokens = max(0, state.pending_prefill_tokens - ticket.uncached_tokens)
-        elapsed = now - ticket.started
-        work = ticket.uncached_tokens + ticket.queued_tokens
-        if measure and elapsed > 0 and work >= 256:  # short prefills are dominated by fixed overheads
-            observed = work / elapsed
-            a = self.cfg.rate_ewma_alpha
-            state.prefill_rate = _ewma(state.prefill_rate, observed, a)
-            state.prefill_samples += 1
-            self.prefill_rate = _ewma(self.prefill_rate, observed, a)
+        """See :meth:`picker.accounting.Accounting.first_token`."""
+        self.accounting.first_token(ticket, measure)
 
     def finish(self, ticket: Ticket) -> None:
-        if ticket.done:
-            return
-        ticket.done = True
-        self._discharge(ticket)
+        self.accounting.finish(ticket)
 
     def on_scrape(self, state: EndpointState) -> None:
         """``state.metrics`` was just replaced by a successful scrape."""
@@ -368,12 +295,12 @@ class Router:
                         "step_per_seq_s": round(e.model.step_per_seq_s, 7),
                         "step_source": e.model.step_source,
                         "uncached_tokens_per_request": round(e.model.uncached_per_request, 1),
-                        "first_byte_rate_crosscheck": round(e.prefill_rate, 1),
+                        "first_byte_rate_crosscheck": round(e.load.first_byte_rate, 1),
                     },
                     "score": decision.result.scores.get(e.key),
                     "scores": {n: s.get(e.key) for n, s in decision.result.per_scorer.items()},
                     "health": e.health.value,
-                    "in_flight_requests": e.in_flight_requests,
+                    "in_flight_requests": e.load.in_flight_requests,
                     "waiting": e.metrics.waiting,
                     "kv_usage": e.metrics.kv_usage,
                 }

@@ -35,6 +35,7 @@ WANTED = (
     "vllm:prefix_cache_queries",
     "vllm:prefix_cache_hits",
     "vllm:prompt_tokens",
+    "vllm:request_success",
 )
 """Families kept whole (every sample line whose name starts with one of these)."""
 HISTOGRAMS = (
@@ -61,8 +62,11 @@ def _loras(value: str) -> frozenset[str]:
     return frozenset(x for x in value.split(",") if x)
 
 
-def parse_metrics(text: str, now: float) -> EndpointMetrics:
-    """vLLM ``/metrics`` text → :class:`EndpointMetrics`. Sums over engines (DP ranks)."""
+def parse_metrics(text: str, now: float = 0.0) -> EndpointMetrics:
+    """vLLM ``/metrics`` text → :class:`EndpointMetrics`. Sums over engines (DP ranks).
+
+    The one parser of vLLM metrics in the project: the scraper, ``make run``'s status line
+    (``replica.sim.stack``) and the benchmarks' fleets all read replicas through it."""
     m = EndpointMetrics(updated_at=now)
     kv: list[float] = []
     lora_ts = -1.0
@@ -89,6 +93,8 @@ def parse_metrics(text: str, now: float) -> EndpointMetrics:
                 m.prefix_queries_total += s.value
             elif name == "vllm:prefix_cache_hits_total":
                 m.prefix_hits_total += s.value
+            elif name == "vllm:request_success_total":
+                m.request_success_total += s.value
             elif name == "vllm:prompt_tokens_total":
                 m.prompt_tokens_total += s.value
             elif name == "vllm:request_prefill_time_seconds_sum":

@@ -67,8 +67,8 @@ class Telemetry:
         for s in pool:
             ready += s.routable
             live.add(s.key)
-            self.in_flight.labels(s.key).set(s.in_flight_requests)
-            self.in_flight_tokens.labels(s.key).set(s.in_flight_tokens)
+            self.in_flight.labels(s.key).set(s.load.in_flight_requests)
+            self.in_flight_tokens.labels(s.key).set(s.load.in_flight_tokens)
         self.ready_pods.set(ready)
         for gauge in (self.in_flight, self.in_flight_tokens):
             for labels in list(gauge._metrics):  # drop series of departed endpoints

@@ -2,8 +2,8 @@
 
 Invariants:
 - An :class:`Endpoint` is immutable and hashable; its ``key`` (``"ip:port"``) is unique in a pool.
-- ``EndpointState.in_flight_requests`` and ``in_flight_tokens`` are never negative; only
-  :mod:`picker.accounting` changes them.
+- ``EndpointState.load``'s in-flight counters are never negative; only :mod:`picker.accounting`
+  changes them.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ class EndpointMetrics:
     max_lora: int = 0
     prefix_queries_total: float = 0.0
     prefix_hits_total: float = 0.0
+    request_success_total: float = 0.0
+    """``vllm:request_success_total`` over every finish reason: requests the replica served."""
     prompt_tokens_total: float = 0.0
     """``vllm:prompt_tokens_total``: whole prompts (cached part included), counted at first token."""
     prefill_seconds_sum: float = 0.0
@@ -93,24 +95,36 @@ class EndpointModel:
         return self.step_base_s + self.step_per_seq_s * running
 
 
-@dataclass(slots=True, eq=False)
-class EndpointState:
-    """Live state of one endpoint, owned by the :class:`~picker.endpoints.pool.Pool`."""
+@dataclass(slots=True)
+class Load:
+    """The picker's own count of the requests it sent to one endpoint (:mod:`picker.accounting`
+    is the only writer). Never negative."""
 
-    endpoint: Endpoint
-    metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
-    health: Health = Health.UNKNOWN
     in_flight_requests: int = 0
     in_flight_tokens: int = 0
     pending_prefill_tokens: int = 0
     """Estimated uncached prompt tokens of requests sent here that have not produced a first byte."""
-    model: EndpointModel = field(default_factory=EndpointModel)
-    """The calibrated speed; written only by :class:`picker.calibration.Calibrator`."""
-    prefill_rate: float = 0.0
+    first_byte_rate: float = 0.0
     """Cross-check only (the cost scorer does not read it): observed per-request prefill
     throughput in tokens/s (EWMA over 2xx streamed responses); 0 means no observation yet."""
-    prefill_samples: int = 0
-    """Observations folded into ``prefill_rate``."""
+    first_byte_samples: int = 0
+    """Observations folded into ``first_byte_rate``."""
+
+
+@dataclass(slots=True, eq=False)
+class EndpointState:
+    """Live state of one endpoint, owned by the :class:`~picker.endpoints.pool.Pool`, in three parts
+    with one writer each: ``metrics`` (scraped: the scraper, or cluster mode's scrape), ``load``
+    (counted: :mod:`picker.accounting`) and ``model`` (calibrated: :mod:`picker.calibration`)."""
+
+    endpoint: Endpoint
+    metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
+    health: Health = Health.UNKNOWN
+    load: Load = field(default_factory=lambda: Load())
+    """What the picker counts about requests it sent here; written only by
+    :class:`picker.accounting.Accounting`."""
+    model: EndpointModel = field(default_factory=EndpointModel)
+    """The calibrated speed; written only by :class:`picker.calibration.Calibrator`."""
     added_at: float = field(default_factory=time.monotonic)
     key: str = field(init=False)
     """The endpoint's ``"ip:port"``; fixed for the state's life (the pool keys states by it)."""

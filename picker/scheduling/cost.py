@@ -62,11 +62,12 @@ class CostScorer:
         prompt, block_tokens, matches = cycle.prompt_tokens, cycle.block_tokens, cycle.matches
         out: dict[str, float] = {}
         for e in endpoints:
-            m, model = e.metrics, e.model
+            m, model, load = e.metrics, e.model, e.load
             uncached = prompt - min(prompt, int(matches.get(e.key, 0) * block_tokens))
-            pending, waiting = e.pending_prefill_tokens, m.waiting * model.uncached_per_request
+            pending, waiting = load.pending_prefill_tokens, m.waiting * model.uncached_per_request
             queued = pending if pending > waiting else waiting  # max() without the call overhead
-            running = m.running if m.running > e.in_flight_requests else e.in_flight_requests
+            sent = load.in_flight_requests
+            running = m.running if m.running > sent else sent
             step = model.step_base_s + model.step_per_seq_s * running
             out[e.key] = (queued + miss * uncached) / model.prefill_rate + step
         return out

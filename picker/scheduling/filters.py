@@ -71,7 +71,7 @@ class LoadGuardFilter:
     @staticmethod
     def load(e: EndpointState) -> float:
         scraped = e.metrics.running + e.metrics.waiting
-        return e.in_flight_requests if e.in_flight_requests > scraped else scraped
+        return e.load.in_flight_requests if e.load.in_flight_requests > scraped else scraped
 
     def filter(self, cycle: Cycle, endpoints: list[EndpointState]) -> list[EndpointState]:
         if len(endpoints) < 2:

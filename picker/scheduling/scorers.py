@@ -54,7 +54,7 @@ class InFlightTokensScorer:
     """Fewer prompt tokens in flight (sent by us, not finished) scores higher."""
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
-        return _by_load(endpoints, lambda e: float(e.in_flight_tokens))
+        return _by_load(endpoints, lambda e: float(e.load.in_flight_tokens))
 
 
 @dataclass
@@ -63,7 +63,7 @@ class LeastLoadedScorer:
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
         return _by_load(
-            endpoints, lambda e: max(float(e.in_flight_requests), e.metrics.running + e.metrics.waiting)
+            endpoints, lambda e: max(float(e.load.in_flight_requests), e.metrics.running + e.metrics.waiting)
         )
 
 

@@ -36,13 +36,14 @@ from typing import Any
 
 import msgpack
 
+from picker.accounting import Ticket
 from picker.config import RouterConfig, load_file
 from picker.endpoints.pool import Pool
 from picker.endpoints.types import Endpoint, EndpointMetrics, Health
 from picker.errors import PickerError
 from picker.prefix import events as kv_events_in
 from picker.request import InferenceRequest
-from picker.router import Router, Ticket
+from picker.router import Router
 
 from . import ceilings, kv_events, trace
 from .blocks import Event

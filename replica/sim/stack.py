@@ -26,7 +26,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
+from picker.scrape import parse_metrics
 
 from .__main__ import parser as sim_parser
 from .costmodel import profile
@@ -118,24 +118,11 @@ def replica_status(port: int) -> str:
             text = resp.read().decode()
     except OSError as exc:
         return f"unreachable ({exc.__class__.__name__})"
-    v: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in (
-                "vllm:num_requests_running",
-                "vllm:num_requests_waiting",
-                "vllm:kv_cache_usage_perc",
-                "vllm:prefix_cache_queries_total",
-                "vllm:prefix_cache_hits_total",
-                "vllm:request_success_total",
-            ):
-                v[s.name] = v.get(s.name, 0.0) + s.value
-    q = v.get("vllm:prefix_cache_queries_total", 0.0)
-    hit = v.get("vllm:prefix_cache_hits_total", 0.0) / q if q else 0.0
+    m = parse_metrics(text)
+    hit = m.prefix_hits_total / m.prefix_queries_total if m.prefix_queries_total else 0.0
     return (
-        f"requests {int(v.get('vllm:request_success_total', 0)):>6}  hit rate {hit:6.1%}  "
-        f"running {int(v.get('vllm:num_requests_running', 0)):>3}  waiting {int(v.get('vllm:num_requests_waiting', 0)):>3}  "
-        f"kv {v.get('vllm:kv_cache_usage_perc', 0.0):5.1%}"
+        f"requests {int(m.request_success_total):>6}  hit rate {hit:6.1%}  "
+        f"running {int(m.running):>3}  waiting {int(m.waiting):>3}  kv {m.kv_usage:5.1%}"
     )
 
 

@@ -62,11 +62,11 @@ def test_full_duplex_answers_only_after_end_of_stream_then_headers_then_chunks()
     assert all(len(s.body) <= MAX_CHUNK for s in streamed)
     assert [s.end_of_stream for s in streamed] == [False] * (len(streamed) - 1) + [True]
     assert b"".join(s.body for s in streamed) == body
-    assert ex.ticket is not None and ex.ticket.state.in_flight_requests == 1
+    assert ex.ticket is not None and ex.ticket.state.load.in_flight_requests == 1
     ex.on_response_headers(headers())
     ex.on_response_body(pb.HttpBody(body=b"data: 1\n\n"))
     assert ex.on_response_body(pb.HttpBody(body=b"", end_of_stream=True))
-    assert ex.ticket.state.in_flight_requests == 0
+    assert ex.ticket.state.load.in_flight_requests == 0
 
 
 def test_buffered_mode_mutates_in_the_body_response() -> None:
@@ -97,7 +97,7 @@ def test_bodiless_request_skips_scheduling_and_accounting() -> None:
         s.metrics.waiting = 1000  # saturated: a bodiless GET is still answered, never shed
     (resp,) = ex.on_request_headers(headers(eos=True), None)
     assert dest(resp.request_headers.response)[DEST_HEADER] in {s.key for s in pool}
-    assert ex.ticket is None and all(s.in_flight_requests == 0 for s in pool)
+    assert ex.ticket is None and all(s.load.in_flight_requests == 0 for s in pool)
     assert ex.router.index.size() == 0
 
 
@@ -132,7 +132,7 @@ def test_close_is_idempotent_and_releases_accounting() -> None:
     ex.on_request_body(pb.HttpBody(body=b'{"model": "m", "prompt": "hi"}', end_of_stream=True))
     ex.close("aborted")
     ex.close("aborted")
-    assert all(s.in_flight_requests == 0 and s.in_flight_tokens == 0 for s in pool)
+    assert all(s.load.in_flight_requests == 0 and s.load.in_flight_tokens == 0 for s in pool)
 
 
 def _respond(ex: Exchange, status: str, content_type: str) -> None:
@@ -168,7 +168,7 @@ def test_only_2xx_streams_time_the_prefill(status: str, content_type: str, moves
     models = {s.key: dataclasses.replace(s.model) for s in pool}
     _respond(ex, status, content_type)
     assert (ex.router.prefill_rate > 0) == moves
-    assert all(s.pending_prefill_tokens == 0 for s in pool), "the prefill is no longer pending"
+    assert all(s.load.pending_prefill_tokens == 0 for s in pool), "the prefill is no longer pending"
     assert {s.key: s.model for s in pool} == models
 
 
@@ -231,9 +231,9 @@ def test_body_mode_none_picks_at_request_headers() -> None:
     [resp] = ex.on_request_headers(msg.request_headers, msg.protocol_config)
     assert resp.WhichOneof("response") == "request_headers"
     assert DEST_HEADER in dest(resp.request_headers.response)
-    assert sum(s.in_flight_requests for s in pool) == 0, "no body to schedule on: no accounting"
+    assert sum(s.load.in_flight_requests for s in pool) == 0, "no body to schedule on: no accounting"
     ex.on_response_headers(headers(eos=True))
-    assert sum(s.in_flight_requests for s in pool) == 0
+    assert sum(s.load.in_flight_requests for s in pool) == 0
 
 
 def test_announced_full_duplex_still_waits_for_the_body() -> None:
@@ -314,7 +314,7 @@ async def test_unexpected_error_becomes_a_json_500_and_releases_accounting(
     err = json.loads(last.immediate_response.body)["error"]
     assert err["code"] == 500 and err["type"] == "internal_error" and err["message"]
     assert len(out) == 4, "nothing is answered after the error"
-    assert all(s.in_flight_requests == 0 and s.in_flight_tokens == 0 for s in pool)
+    assert all(s.load.in_flight_requests == 0 and s.load.in_flight_tokens == 0 for s in pool)
     [rec] = [r for r in caplog.records if r.name == "picker.extproc"]
     assert rec.exc_info is not None and isinstance(rec.exc_info[1], KeyError), "logged with its traceback"
     assert "rid-7" in rec.getMessage()
@@ -333,4 +333,4 @@ async def test_unexpected_error_before_the_pick_is_a_500_too(monkeypatch: pytest
     [resp] = [r async for r in svc.Process(_stream(*msgs), None)]
     assert resp.immediate_response.status.code == 500
     assert json.loads(resp.immediate_response.body)["error"]["type"] == "internal_error"
-    assert all(s.in_flight_requests == 0 for s in pool)
+    assert all(s.load.in_flight_requests == 0 for s in pool)

@@ -7,23 +7,14 @@ import pathlib
 import time
 from collections.abc import Iterator
 
+from replica.vllm.tiny import ENV, build_tiny, command
 from tests.support.procs import PY, Procs, free_port, http
 
-ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_SERVER_DEV_MODE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+__all__ = ["ENV", "tiny_model", "vllm_server"]
 
 
 def tiny_model(root: pathlib.Path) -> pathlib.Path:
-    from replica.tinymodel import build
-
-    out = root / "tiny-llama"
-    if not (out / "model.safetensors").exists():
-        build(out)
-    return out
+    return build_tiny(root)
 
 
 @contextlib.contextmanager
@@ -36,27 +27,7 @@ def vllm_server(
 ) -> Iterator[str]:
     """Start ``python -m <module> --model MODEL ...`` and yield its base URL once /health answers."""
     port = free_port()
-    args = [
-        PY,
-        "-m",
-        module,
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--enforce-eager",
-        "--block-size",
-        "32",
-        "--max-model-len",
-        "2048",
-        "--dtype",
-        "float32",
-        "--enable-prefix-caching",
-        "--enable-prompt-tokens-details",
-        *extra,
-    ]
+    args = command(model, port, *extra, module=module, python=PY)
     proc = procs.start(name, args, env=ENV)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

@@ -7,12 +7,13 @@ from collections import Counter
 
 import pytest
 
+from picker.accounting import Ticket
 from picker.config import IndexConfig, RouterConfig
 from picker.endpoints.pool import Pool
 from picker.endpoints.types import Endpoint, EndpointMetrics, Health
 from picker.errors import NoEndpoints, Overloaded
 from picker.request import InferenceRequest
-from picker.router import Router, Ticket
+from picker.router import Router
 from picker.scheduling.cost import CostScorer
 
 
@@ -39,8 +40,8 @@ def req(text: str, **kw: object) -> InferenceRequest:
 def test_accounting_returns_to_zero_and_finish_is_idempotent() -> None:
     router, pool, _ = make(3)
     tickets = [router.start(router.route(req(f"prompt {i} " * 50))) for i in range(30)]
-    assert sum(s.in_flight_requests for s in pool) == 30
-    assert sum(s.in_flight_tokens for s in pool) == sum(t.prompt_tokens for t in tickets)
+    assert sum(s.load.in_flight_requests for s in pool) == 30
+    assert sum(s.load.in_flight_tokens for s in pool) == sum(t.prompt_tokens for t in tickets)
     for i, t in enumerate(tickets):
         if i % 2:
             router.first_token(t)
@@ -48,7 +49,11 @@ def test_accounting_returns_to_zero_and_finish_is_idempotent() -> None:
         router.finish(t)  # a second end (error after end-of-stream, reset after abort) is a no-op
         router.first_token(t)  # and a late first byte changes nothing
     for s in pool:
-        assert (s.in_flight_requests, s.in_flight_tokens, s.pending_prefill_tokens) == (0, 0, 0), s.key
+        assert (s.load.in_flight_requests, s.load.in_flight_tokens, s.load.pending_prefill_tokens) == (
+            0,
+            0,
+            0,
+        ), s.key
 
 
 def test_cycle_estimates_tokens_and_cached_prefix() -> None:
@@ -77,8 +82,8 @@ def test_first_token_feeds_the_prefill_rate_ewma() -> None:
     clock.t += 0.5
     router.first_token(t1)
     assert router.prefill_rate == pytest.approx(2048.0), "first observation is taken as is"
-    assert t1.state.prefill_rate == pytest.approx(2048.0)
-    assert t1.state.prefill_samples == 1
+    assert t1.state.load.first_byte_rate == pytest.approx(2048.0)
+    assert t1.state.load.first_byte_samples == 1
     clock.t += 1.0
     router.first_token(t1)  # only the first byte counts
     router.finish(t1)
@@ -95,7 +100,7 @@ def test_first_token_feeds_the_prefill_rate_ewma() -> None:
     router.first_token(t3)
     router.finish(t3)
     assert router.prefill_rate == pytest.approx(0.8 * 2048 + 0.2 * 4096)
-    assert t3.state.prefill_samples == 2, "a prefill too short to measure is not a sample"
+    assert t3.state.load.first_byte_samples == 2, "a prefill too short to measure is not a sample"
 
 
 def test_the_calibrated_model_reaches_the_cost_estimate_and_the_explain_api() -> None:
@@ -133,13 +138,13 @@ def test_queued_work_counts_towards_the_observed_rate() -> None:
     t1 = router.start(router.route(req("a" * 4096)))
     t2 = router.start(router.route(req("b" * 4096)))
     assert t2.queued_tokens == 1024, "t1's uncached tokens were pending when t2 was sent"
-    assert t1.state.pending_prefill_tokens == 2048
+    assert t1.state.load.pending_prefill_tokens == 2048
     clock.t += 1.0
     router.first_token(t2)
     assert router.prefill_rate == pytest.approx(2048.0)
     router.finish(t1)
     router.finish(t2)
-    assert t1.state.pending_prefill_tokens == 0
+    assert t1.state.load.pending_prefill_tokens == 0
 
 
 def test_pool_removal_drops_index_entries() -> None:
@@ -215,7 +220,7 @@ def test_hot_prefix_spills_under_cost_once_load_builds_up() -> None:
     assert len(counts) == 2 and min(counts.values()) >= 30, f"both share the hot prefix: {counts}"
     for t in tickets:
         router.finish(t)
-    assert all(s.in_flight_requests == 0 for s in pool)
+    assert all(s.load.in_flight_requests == 0 for s in pool)
 
 
 def test_in_flight_prefill_counts_as_queued_work() -> None:
@@ -286,7 +291,7 @@ def test_explain_has_no_side_effects() -> None:
     assert out["policy"] == "cost" and out["blocks"] == 18
     endpoints = out["endpoints"]
     assert isinstance(endpoints, dict) and set(endpoints) == {s.key for s in pool}
-    assert router.index.size() == sizes and all(s.in_flight_requests == 0 for s in pool)
+    assert router.index.size() == sizes and all(s.load.in_flight_requests == 0 for s in pool)
     chosen = out["chosen"]
     assert isinstance(chosen, list) and endpoints[chosen[0]]["matched_blocks"] == 18
 
@@ -297,20 +302,24 @@ def test_recredit_moves_accounting_index_and_rate_to_the_served_endpoint() -> No
     assert a is not None and b is not None
     text = "shared document " * 400
     t = router.start(router.route(req(text), subset={a.key}))
-    assert t.state is a and a.in_flight_requests == 1 and a.pending_prefill_tokens > 0
+    assert t.state is a and a.load.in_flight_requests == 1 and a.load.pending_prefill_tokens > 0
     assert router.index.size(a.key) > 0
     assert router.recredit(t, b.key)
-    assert (a.in_flight_requests, a.in_flight_tokens, a.pending_prefill_tokens) == (0, 0, 0)
-    assert b.in_flight_requests == 1 and b.in_flight_tokens == t.prompt_tokens
-    assert b.pending_prefill_tokens == t.uncached_tokens == t.prompt_tokens
+    assert (a.load.in_flight_requests, a.load.in_flight_tokens, a.load.pending_prefill_tokens) == (0, 0, 0)
+    assert b.load.in_flight_requests == 1 and b.load.in_flight_tokens == t.prompt_tokens
+    assert b.load.pending_prefill_tokens == t.uncached_tokens == t.prompt_tokens
     assert router.index.size(a.key) == 0 and router.index.size(b.key) > 0
     assert not router.recredit(t, b.key) and not router.recredit(t, "10.9.9.9:1")
     clock.t += 1.0
     router.first_token(t)
-    assert b.prefill_samples == 1 and a.prefill_samples == 0
+    assert b.load.first_byte_samples == 1 and a.load.first_byte_samples == 0
     router.finish(t)
     for s in (a, b):
-        assert (s.in_flight_requests, s.in_flight_tokens, s.pending_prefill_tokens) == (0, 0, 0)
+        assert (s.load.in_flight_requests, s.load.in_flight_tokens, s.load.pending_prefill_tokens) == (
+            0,
+            0,
+            0,
+        )
     assert not router.recredit(t, a.key)  # done: nothing moves
 
 
@@ -358,7 +367,7 @@ def test_objective_priority_from_config_decides_who_is_shed() -> None:
 def test_any_ready_is_least_in_flight_within_subset() -> None:
     router, pool, _ = make(3)
     a, b, c = list(pool)
-    a.in_flight_requests, b.in_flight_requests, c.in_flight_requests = 3, 1, 0
+    a.load.in_flight_requests, b.load.in_flight_requests, c.load.in_flight_requests = 3, 1, 0
     assert router.any_ready() is c
     assert router.any_ready({a.key, b.key}) is b
     with pytest.raises(NoEndpoints):

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from picker.config import build_profile
-from picker.endpoints.types import Endpoint, EndpointMetrics, EndpointModel, EndpointState, Health
+from picker.endpoints.types import Endpoint, EndpointMetrics, EndpointModel, EndpointState, Health, Load
 from picker.errors import NoEndpoints, Overloaded
 from picker.request import InferenceRequest
 from picker.scheduling.cost import CostScorer
@@ -29,11 +29,13 @@ from picker.scheduling.types import Cycle
 
 
 def ep(port: int, **kw: Any) -> EndpointState:
-    """An endpoint on 10.0.0.1:<port>; metric fields (waiting, kv_usage, ...) go to its metrics."""
-    metric_names = set(EndpointMetrics.__dataclass_fields__)
+    """An endpoint on 10.0.0.1:<port>; metric fields (waiting, kv_usage, ...) go to its metrics,
+    load fields (in_flight_requests, pending_prefill_tokens, ...) to its load."""
+    metric_names, load_names = set(EndpointMetrics.__dataclass_fields__), set(Load.__dataclass_fields__)
     metrics = EndpointMetrics(**{k: v for k, v in kw.items() if k in metric_names})
-    state_kw = {k: v for k, v in kw.items() if k not in metric_names}
-    return EndpointState(Endpoint("10.0.0.1", port), metrics=metrics, **state_kw)
+    load = Load(**{k: v for k, v in kw.items() if k in load_names})
+    state_kw = {k: v for k, v in kw.items() if k not in metric_names | load_names}
+    return EndpointState(Endpoint("10.0.0.1", port), metrics=metrics, load=load, **state_kw)
 
 
 def cycle(
@@ -261,7 +263,7 @@ def test_a_hot_prefix_spills_by_a_margin_in_seconds() -> None:
         q_tie = (2 * 8192 / 10_000.0) * holder_rate - 2 * 4096
         ties.append(q_tie)
         for q, winner in ((q_tie - 2, 1), (q_tie + 2, 2)):
-            a.pending_prefill_tokens = int(q)
+            a.load.pending_prefill_tokens = int(q)
             assert _cost_pick(a, b) == winner, (holder_rate, q)
     assert ties[1] < ties[0] / 2, "the slower holder spills after far less queued work"
 

@@ -1,0 +1,197 @@
+"""``python -m bench.real``: routers side by side on two real vLLM-CPU replicas (the tiny model).
+
+    python -m bench.real [--repeats 3] [--routers cost,least-loaded,vllm-router,sglang-router]
+                         [--out bench/results/real.md]
+
+Two ``vllm.entrypoints.openai.api_server`` processes serve ``replica.tinymodel`` (built on disk,
+nothing downloaded) with prefix caching and ``VLLM_SERVER_DEV_MODE=1``. Each router is started in
+front of them (kvpick behind a real Envoy; the peers as their own HTTP proxies) and serves every
+workload; before each workload both replicas' prefix caches are reset (``POST
+/reset_prefix_cache``), and the same arrival times are used for every router. Hit rates are the
+replicas' own ``vllm:prefix_cache_hits_total / queries_total`` deltas; the replica split is their
+``vllm:request_success_total`` deltas. Each repeat runs every router once (side by side), with a
+new arrival seed; the table gives medians over repeats with [min–max].
+
+Workloads (prompt lengths in the tiny tokenizer's tokens, about 3.9 per generated word):
+
+- ``shared-prefix``: 8 system prompts (~930 tokens) × 8 questions (~95 tokens), 16 output tokens,
+  Poisson ``--rate`` (6 req/s);
+- ``multi-turn``: 8 chat sessions × 4 turns, the history resent each turn, each turn sent when the
+  session's previous one finished, sessions started at Poisson ``--rate``;
+- ``no-sharing``: 64 unique ~1,000-token prompts at Poisson ``--rate`` (the control).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from replica.sim.stack import Children
+from replica.vllm.tiny import ENV, build_tiny, command
+
+from . import loadgen, stats
+from .fleet import Fleet, FleetConfig, free_port, http
+from .routers import router
+from .workloads import Workload, multi_turn, no_sharing, shared_prefix
+
+MODEL = "tiny"
+ROUTERS = ("cost", "least-loaded", "vllm-router", "sglang-router")
+
+
+@dataclass
+class VllmFleet(Fleet):
+    """Two (``cfg.replicas``) real vLLM-CPU servers of the tiny model."""
+
+    model_dir: pathlib.Path = pathlib.Path()
+
+    def start(self) -> None:
+        os.environ.update(ENV)  # inherited by the children
+        self.ports = [free_port() for _ in range(self.cfg.replicas)]
+        for i, port in enumerate(self.ports):
+            args = command(self.model_dir, port, "--served-model-name", MODEL)
+            self.children.start(f"vllm-{i}", args)
+        deadline = time.monotonic() + 600
+        for url in self.urls:
+            while True:
+                self.children.check()
+                try:
+                    if http("GET", url + "/health", timeout=2)[0] == 200:
+                        break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"vLLM at {url} did not become healthy")
+                time.sleep(1)
+
+
+def workloads(seed: int) -> list[Workload]:
+    sp = shared_prefix(
+        groups=8, prompts_per_group=8, system_prompt_len=240, question_len=24, output_len=16, seed=seed
+    )
+    mt = multi_turn(sessions=8, turns=4, system_len=64, user_len=24, answer_len=16, seed=seed)
+    ns = no_sharing(64, 260, 16, seed=seed)
+    return [dataclasses.replace(sp, name="shared-prefix"), mt, ns]
+
+
+@dataclass
+class Run:
+    router: str
+    workload: str
+    repeat: int
+    hit_rate: float
+    ttft_p50: float
+    ttft_p90: float
+    errors: int
+    split: list[int] = field(default_factory=list)
+
+
+def measure(
+    name: str, urls: list[str], fleet: Fleet, w: Workload, cfg: loadgen.LoadConfig, repeat: int
+) -> Run:
+    fleet.reset()
+    before = fleet.counters()
+    outcomes, wall = asyncio.run(loadgen.run(urls, w, dataclasses.replace(cfg, label=f"{w.name}/{name}")))
+    after = fleet.counters()
+    q = after.queries - before.queries
+    s = stats.summarize(outcomes, wall)
+    split = [int(a - b) for a, b in zip(after.requests, before.requests, strict=True)]
+    return Run(
+        name,
+        w.name,
+        repeat,
+        (after.hits - before.hits) / q if q else 0.0,
+        s.ttft_p50,
+        s.ttft_p90,
+        s.errors,
+        split,
+    )
+
+
+def run_all(
+    fleet: Fleet, routers: Sequence[str], repeats: int, rate: float, run_dir: pathlib.Path
+) -> list[Run]:
+    runs: list[Run] = []
+    for rep in range(repeats):
+        ws = workloads(seed=0)
+        for name in routers:
+            with router(name, fleet, run_dir / f"r{rep}") as urls:
+                for w in ws:
+                    cfg = loadgen.LoadConfig(mode="poisson", rate=rate, model=MODEL, seed=rep, progress=False)
+                    r = measure(name, urls, fleet, w, cfg, rep)
+                    runs.append(r)
+                    print(
+                        f"[real] rep {rep} {w.name:<14} {name:<14} hit {r.hit_rate:.3f}  TTFT p50 {r.ttft_p50:.3f} "
+                        f"p90 {r.ttft_p90:.3f}  split {r.split}  errors {r.errors}",
+                        flush=True,
+                    )
+    return runs
+
+
+def _cell(xs: list[float], fmt: str) -> str:
+    return f"{format(statistics.median(xs), fmt)} [{format(min(xs), fmt)}–{format(max(xs), fmt)}]"
+
+
+def table(runs: list[Run]) -> str:
+    lines = []
+    for w in dict.fromkeys(r.workload for r in runs):
+        lines += [
+            f"\n### {w}\n",
+            "| router | hit rate (vLLM counters) | TTFT p50 s | TTFT p90 s | replica split (median) | errors |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name in dict.fromkeys(r.router for r in runs):
+            rs = [r for r in runs if r.workload == w and r.router == name]
+            split = " / ".join(
+                str(int(statistics.median(s))) for s in zip(*(r.split for r in rs), strict=True)
+            )
+            lines.append(
+                f"| {name} | {_cell([r.hit_rate for r in rs], '.3f')} | {_cell([r.ttft_p50 for r in rs], '.3f')} "
+                f"| {_cell([r.ttft_p90 for r in rs], '.3f')} | {split} | {sum(r.errors for r in rs)} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.real", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--routers", default=",".join(ROUTERS))
+    p.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals per second")
+    p.add_argument("--out", default=None, help="write the markdown table here")
+    p.add_argument("--json", default=None)
+    p.add_argument("--model-dir", default=None, help="where the tiny model is built (default: a temp dir)")
+    a = p.parse_args(argv)
+    run_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvpick-real-"))
+    model_dir = build_tiny(pathlib.Path(a.model_dir) if a.model_dir else run_dir)
+    children = Children(run_dir)
+    fleet = VllmFleet(FleetConfig(replicas=2, model=MODEL), children, model_dir=model_dir)
+    t0 = time.monotonic()
+    try:
+        fleet.start()
+        runs = run_all(fleet, a.routers.split(","), a.repeats, a.rate, run_dir)
+    finally:
+        children.stop()
+    text = table(runs)
+    print(text)
+    print(f"[real] {time.monotonic() - t0:.0f} s; logs in {run_dir}")
+    if a.out:
+        pathlib.Path(a.out).write_text(text, encoding="utf-8")
+    if a.json:
+        pathlib.Path(a.json).write_text(
+            json.dumps([dataclasses.asdict(r) for r in runs], indent=1), encoding="utf-8"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
