@@ -1,118 +1,98 @@
 #!/usr/bin/env python3
-"""The kind test's assertions, over HTTP through the gateway (stdlib only).
+"""The kind test's driver for deploy/kind/checks.py (the checks ``make docker-e2e`` runs too).
 
-1. **Prefix affinity**: groups of requests share a long prompt prefix; each group's requests
-   must land on one replica (the one its first request warmed), and the groups must spread
-   over more than one replica.
-2. **Failover**: the replica that served group 0 is deleted (kubectl); group 0's requests must
-   succeed again within the deadline, on another replica, and never on the deleted one.
+The replicas are the Helm release's pods in the InferencePool (label ``kvpick.io/pool``); their
+``/metrics`` are read through the API server's pod proxy (``kubectl get --raw``), and killing one
+is a forced pod deletion (its Deployment then starts a replacement, which joins the checks once
+it is Running). The picker's gRPC health port must be reachable at ``--health`` (e2e.sh
+port-forwards it).
 
-Which replica served a request is read from Envoy's ``x-kvpick-upstream`` response header.
+    python deploy/kind/check.py --url http://127.0.0.1:18080 --namespace kvpick --model M \\
+        --health 127.0.0.1:19003
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import random
+import pathlib
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from collections import Counter
+from types import ModuleType
+
+HERE = pathlib.Path(__file__).resolve().parent
 
 
-def send(url: str, model: str, prompt: str) -> tuple[int, str]:
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 8}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body, {"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            resp.read()
-            return resp.status, resp.headers.get("x-kvpick-upstream", "")
-    except urllib.error.HTTPError as err:
-        return err.code, err.headers.get("x-kvpick-upstream", "")
-    except (urllib.error.URLError, OSError):
-        return 0, ""
+def _load_checks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kvpick_e2e_checks", HERE / "checks.py")
+    assert spec is not None and spec.loader is not None, "cannot load deploy/kind/checks.py"
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def prefix(group: int) -> str:
-    rng = random.Random(group)
-    words = ["alpha", "beta", "gamma", "delta", "kv", "cache", "block", "token", "route", "pool"]
-    return f"[system {group}] " + " ".join(rng.choice(words) for _ in range(600))
+checks = _load_checks()
 
 
-def affinity(url: str, model: str, groups: int, per_group: int) -> dict[int, str]:
-    owner: dict[int, str] = {}
-    for g in range(groups):
-        hosts = []
-        for i in range(per_group):
-            status, host = send(url, model, f"{prefix(g)}\nQuestion {i}: why?")
-            assert status == 200, f"group {g} request {i}: HTTP {status}"
-            hosts.append(host)
-        top, count = Counter(hosts).most_common(1)[0]
-        assert count >= per_group - 1, f"group {g} was split over replicas: {hosts}"
-        owner[g] = top
-        print(f"affinity: group {g} -> {top} ({count}/{per_group})")
-    spread = set(owner.values())
-    assert len(spread) > 1, f"all {groups} groups went to one replica {spread}: no load spreading"
-    return owner
+class KubeCluster:
+    """checks.Cluster over the release's replica pods. ``killed`` is written only by :meth:`kill`."""
 
+    def __init__(self, namespace: str, selector: str, port: int) -> None:
+        self.namespace, self.selector, self.port = namespace, selector, port
+        self.killed: set[str] = set()
+        self.ips: dict[str, str] = {}
 
-def pod_at(namespace: str, host: str) -> str:
-    ip = host.rsplit(":", 1)[0]
-    out = subprocess.check_output(
-        [
-            "kubectl",
-            "-n",
-            namespace,
-            "get",
-            "pods",
-            "-o",
-            "jsonpath={range .items[*]}{.metadata.name} {.status.podIP}{'\\n'}{end}",
-        ],
-        text=True,
-    )
-    names = [line.split()[0] for line in out.splitlines() if line.split()[1:] == [ip]]
-    assert names, f"no pod has IP {ip}"
-    return names[0]
+    def _kubectl(self, *args: str) -> str:
+        return subprocess.check_output(["kubectl", "-n", self.namespace, *args], text=True)
 
+    def replicas(self) -> list[str]:
+        pods = json.loads(self._kubectl("get", "pods", "-l", self.selector, "-o", "json"))["items"]
+        live = []
+        for pod in pods:
+            name = pod["metadata"]["name"]
+            ready = any(
+                c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])
+            )
+            if ready and name not in self.killed and not pod["metadata"].get("deletionTimestamp"):
+                self.ips[name] = pod["status"]["podIP"]
+                live.append(name)
+        return sorted(live)
 
-def failover(url: str, model: str, namespace: str, host: str, deadline_s: float) -> None:
-    pod = pod_at(namespace, host)
-    print(f"failover: deleting {pod} ({host})")
-    subprocess.check_call(["kubectl", "-n", namespace, "delete", "pod", pod, "--wait=false"])
-    start, streak, failures = time.monotonic(), 0, 0
-    while streak < 10:
-        assert time.monotonic() - start < deadline_s, f"no 10 successes in a row within {deadline_s}s"
-        status, served = send(url, model, f"{prefix(0)}\nAfter failover: why?")
-        if status == 200:
-            assert served != host, f"a request went to the deleted replica {host}"
-            streak += 1
-        else:
-            streak, failures = 0, failures + 1
-            time.sleep(0.5)
-    print(f"failover: recovered in {time.monotonic() - start:.1f}s with {failures} failed requests")
+    def address(self, name: str) -> str:
+        return f"{self.ips[name]}:{self.port}"
+
+    def metrics(self, name: str) -> str:
+        return self._kubectl(
+            "get", "--raw", f"/api/v1/namespaces/{self.namespace}/pods/{name}:{self.port}/proxy/metrics"
+        )
+
+    def kill(self, name: str) -> None:
+        self._kubectl("delete", "pod", name, "--grace-period=0", "--force", "--wait=false")
+        self.killed.add(name)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", required=True)
+    p.add_argument("--url", required=True, help="the gateway (Envoy) base URL")
     p.add_argument("--namespace", required=True)
-    p.add_argument(
-        "--model", required=True, help="the served model: the chart's `model` value (e2e.sh passes both)"
-    )
+    p.add_argument("--model", required=True, help="the chart's `model` value (e2e.sh passes both)")
+    p.add_argument("--health", default="", help="the picker's gRPC health port host:port (kubelet's probe)")
+    p.add_argument("--selector", default="kvpick.io/pool=kvpick", help="the replica pods' labels")
+    p.add_argument("--port", type=int, default=8000, help="the replicas' serving port")
     p.add_argument("--groups", type=int, default=6)
-    p.add_argument("--per-group", type=int, default=4)
-    p.add_argument("--failover-deadline", type=float, default=60.0)
+    p.add_argument("--kill-deadline", type=float, default=60.0)
     return p
 
 
-def main() -> int:
-    args = build_parser().parse_args()
-    owner = affinity(args.url, args.model, args.groups, args.per_group)
-    failover(args.url, args.model, args.namespace, owner[0], args.failover_deadline)
-    print("PASS: prefix affinity and failover")
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cluster = KubeCluster(args.namespace, args.selector, args.port)
+    gw = checks.Gateway(args.url, args.model)
+    checks.run_all(
+        cluster, gw, health=args.health or None, groups=args.groups, kill_deadline_s=args.kill_deadline
+    )
     return 0
 
 

@@ -3,12 +3,16 @@
 #   1. create a kind cluster; build the picker and simulator images and load them
 #   2. install the InferencePool CRD and a gateway (plain Envoy from deploy/envoy, as a Deployment)
 #   3. helm install charts/kvpick with simulator replicas
-#   4. send requests through the gateway: assert prefix affinity, then failover after a replica
-#      pod is deleted (deploy/kind/check.py)
+#   4. run deploy/kind/checks.py's checks through the gateway (the same ones `make docker-e2e`
+#      runs, driven by deploy/kind/check.py): the picker's gRPC health, 400 for bad input,
+#      prefix affinity and spreading from the replicas' own counters, a forged destination header
+#      ignored, and a force-deleted replica pod losing its traffic
 #   5. tear down (KEEP=1 keeps the cluster)
 # Without docker, kind, helm or kubectl it prints "SKIPPED: ..." and exits 0.
-# Environment: CLUSTER (kvpick-e2e), NAMESPACE (kvpick), GIE_VERSION (v1.0.1), ENVOY_IMAGE, KEEP,
-# MODEL (the served model name: set as the chart's `model` and sent by check.py).
+# Environment: CLUSTER (kvpick-e2e), NAMESPACE (kvpick), GIE_VERSION (v1.0.1), KEEP,
+# ENVOY_IMAGE (default: our envoy image from deploy/docker/Dockerfile.envoy, loaded into kind),
+# MODEL (the served model name: set as the chart's `model` and sent by check.py),
+# PYTHON (default: the project's venv, made with `make .venv/.kvpick-core`; needs grpcio).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -16,12 +20,13 @@ CLUSTER=${CLUSTER:-kvpick-e2e}
 NAMESPACE=${NAMESPACE:-kvpick}
 RELEASE=${RELEASE:-kvpick}
 GIE_VERSION=${GIE_VERSION:-v1.0.1}
-ENVOY_IMAGE=${ENVOY_IMAGE:-envoyproxy/envoy:v1.36-latest}
 REGISTRY=kvpick.local
 TAG=e2e
+ENVOY_IMAGE=${ENVOY_IMAGE:-$REGISTRY/envoy:$TAG}
 LOCAL_PORT=${LOCAL_PORT:-18080}
+HEALTH_PORT=${HEALTH_PORT:-19003}
 MODEL=${MODEL:-meta-llama/Llama-3.1-8B-Instruct}
-PYTHON=${PYTHON:-python3}
+PYTHON=${PYTHON:-.venv/bin/python}
 
 for bin in docker kind helm kubectl; do
   if ! command -v "$bin" >/dev/null 2>&1; then
@@ -35,9 +40,11 @@ if ! docker info >/dev/null 2>&1; then
 fi
 
 PF_PID=""
+HF_PID=""
 teardown() {
   local rc=$?
   [[ -n "$PF_PID" ]] && kill "$PF_PID" 2>/dev/null || true
+  [[ -n "$HF_PID" ]] && kill "$HF_PID" 2>/dev/null || true
   if [[ $rc -ne 0 ]]; then
     echo "--- e2e failed (rc=$rc); cluster state:"
     kubectl -n "$NAMESPACE" get pods -o wide || true
@@ -51,8 +58,10 @@ trap teardown EXIT
 
 echo "=== 1. cluster and images"
 kind get clusters | grep -qx "$CLUSTER" || kind create cluster --name "$CLUSTER" --config deploy/kind/cluster.yaml --wait 180s
-REGISTRY=$REGISTRY TAG=$TAG IMAGES="picker sim" REQUIRE_DOCKER=1 bash deploy/docker/build.sh
+[[ "$PYTHON" != .venv/bin/python ]] || make --no-print-directory .venv/.kvpick-core
+REGISTRY=$REGISTRY TAG=$TAG IMAGES="picker sim envoy" REQUIRE_DOCKER=1 bash deploy/docker/build.sh
 kind load docker-image --name "$CLUSTER" "$REGISTRY/picker:$TAG" "$REGISTRY/sim:$TAG"
+[[ "$ENVOY_IMAGE" != "$REGISTRY/envoy:$TAG" ]] || kind load docker-image --name "$CLUSTER" "$ENVOY_IMAGE"
 
 echo "=== 2. InferencePool CRD ($GIE_VERSION) and the Envoy gateway"
 kubectl apply -k "github.com/kubernetes-sigs/gateway-api-inference-extension/config/crd?ref=$GIE_VERSION"
@@ -77,6 +86,9 @@ for _ in $(seq 60); do
   curl -s -o /dev/null "http://127.0.0.1:$LOCAL_PORT/" && break
   sleep 1
 done
-"$PYTHON" deploy/kind/check.py --url "http://127.0.0.1:$LOCAL_PORT" --namespace "$NAMESPACE" --model "$MODEL"
+kubectl -n "$NAMESPACE" port-forward deploy/"$RELEASE"-picker "$HEALTH_PORT":9003 >/dev/null 2>&1 &
+HF_PID=$!
+"$PYTHON" deploy/kind/check.py --url "http://127.0.0.1:$LOCAL_PORT" --namespace "$NAMESPACE" --model "$MODEL" \
+  --health "127.0.0.1:$HEALTH_PORT"
 
 echo "=== 5. done"

@@ -57,7 +57,9 @@ def test_kind_envoy_manifests_validate() -> None:
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 
 
-@pytest.mark.parametrize("script", ["deploy/kind/e2e.sh", "deploy/docker/build.sh"])
+@pytest.mark.parametrize(
+    "script", ["deploy/kind/e2e.sh", "deploy/docker/build.sh", "deploy/docker/base-image.sh"]
+)
 def test_scripts_skip_cleanly_without_their_tools(script: str, tmp_path: pathlib.Path) -> None:
     """With a PATH holding only bash's basics (no docker, kind, helm), the scripts say SKIPPED and exit 0."""
     bindir = tmp_path / "bin"
@@ -103,7 +105,7 @@ def test_kind_e2e_sends_the_model_the_chart_serves(tmp_path: pathlib.Path) -> No
     the model the chart, installed with e2e.sh's --set values, gives the simulator replicas."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    for tool in ("bash", "dirname", "cat", "seq", "grep", "printf", "sleep"):
+    for tool in ("bash", "dirname", "cat", "seq", "grep", "printf", "sleep", "mktemp", "rm", "awk"):
         found = shutil.which(tool)
         if found:
             (bindir / tool).symlink_to(found)
@@ -111,7 +113,7 @@ def test_kind_e2e_sends_the_model_the_chart_serves(tmp_path: pathlib.Path) -> No
         (bindir / tool).write_text(STUB.format(python=sys.executable))
         (bindir / tool).chmod(0o755)
     log = tmp_path / "calls.jsonl"
-    env = {"PATH": str(bindir), "HOME": str(tmp_path), "STUB_LOG": str(log)}
+    env = {"PATH": str(bindir), "HOME": str(tmp_path), "STUB_LOG": str(log), "PYTHON": "python3"}
     proc = subprocess.run(
         [str(bindir / "bash"), "deploy/kind/e2e.sh"],
         cwd=ROOT,
@@ -129,3 +131,37 @@ def test_kind_e2e_sends_the_model_the_chart_serves(tmp_path: pathlib.Path) -> No
     docs = render(_set_values(helm))  # the chart's schema validates e2e.sh's values too
     sim = one(docs, "Deployment", f"{RELEASE}-sim")["spec"]["template"]["spec"]["containers"][0]
     assert sim_parser().parse_args(sim["args"]).model == sent
+
+
+def test_docker_e2e_skips_cleanly_without_docker(tmp_path: pathlib.Path) -> None:
+    """`make docker-e2e`'s driver with no docker on PATH says SKIPPED and exits 0."""
+    env = {"PATH": str(tmp_path), "HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "deploy/docker/e2e.py"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("SKIPPED: "), proc.stdout + proc.stderr
+
+
+def test_e2e_checks_read_counters_as_prometheus_writes_them() -> None:
+    """checks.counter_sum sums every label set of a counter in prometheus_client's own text
+    output, and only that counter (not a name it is a prefix of, not _created samples)."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    spec = importlib.util.spec_from_file_location("kvpick_e2e_checks", ROOT / "deploy" / "kind" / "checks.py")
+    assert spec is not None and spec.loader is not None
+    checks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checks)
+    reg = CollectorRegistry()
+    ok = Counter("vllm:request_success", "", ["finished_reason"], registry=reg)
+    ok.labels("stop").inc(3)
+    ok.labels("length").inc(2)
+    Counter("vllm:request_success_extra", "", registry=reg).inc(100)
+    text = generate_latest(reg).decode()
+    assert checks.counter_sum(text, "vllm:request_success_total") == 5.0
+    assert checks.counter_sum(text, "vllm:prefix_cache_hits_total") == 0.0
