@@ -24,7 +24,7 @@ def explain(router: Router, path: str, body: bytes, policy: str, headers: dict[s
     if policy and policy not in router.profiles:
         raise BadRequest(f"unknown policy {policy!r}; known: {sorted(router.profiles)}")
     path = path or "/v1/completions"
-    req, doc = request_mod.parse(body, path, headers, router.cfg.lora_adapters)
+    req, doc = request_mod.parse(body, path, headers, opts=router.parse_options)
     return router.explain(router.tokenize(req, doc, path), policy or None)
 
 

@@ -20,9 +20,10 @@ When the client sent no ``x-request-id``, the one generated for it is set on the
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -38,6 +39,8 @@ from picker import request as request_mod
 from picker.accounting import Ticket
 from picker.endpoints.types import Endpoint
 from picker.errors import BodyTooLarge, InternalError, PickerError
+from picker.offload import BodyParser
+from picker.request import Parsed
 from picker.router import Router
 from picker.telemetry import Telemetry
 
@@ -53,7 +56,6 @@ FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 REQUEST_ID = "x-request-id"
-REWRITE_HEADER = request_mod.REWRITE_HEADER
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
@@ -124,17 +126,24 @@ def immediate(err: PickerError) -> pb.ProcessingResponse:
     )
 
 
-def body_chunks(body: bytes, kind: str, eos: bool = True) -> Iterator[pb.ProcessingResponse]:
-    """``body`` as StreamedBodyResponse messages of at most MAX_CHUNK bytes; the last carries
-    ``end_of_stream=eos`` (false when trailers end the stream instead)."""
-    view = memoryview(body)
-    n = len(body)
-    starts = range(0, n, MAX_CHUNK) if n else range(1)
-    for start in starts:
-        last = start + MAX_CHUNK >= n
-        streamed = pb.StreamedBodyResponse(
-            body=bytes(view[start : start + MAX_CHUNK]), end_of_stream=last and eos
-        )
+def body_chunks(
+    body: bytes | Sequence[bytes], kind: str, eos: bool = True
+) -> Iterator[pb.ProcessingResponse]:
+    """``body`` (one buffer, or the chunks it arrived in) as StreamedBodyResponse messages of at
+    most MAX_CHUNK bytes; the last carries ``end_of_stream=eos`` (false when trailers end the
+    stream instead). Chunks that already fit are sent as they are (no join, no re-slicing);
+    messages are made one at a time, as the caller sends them."""
+    parts = [body] if isinstance(body, bytes) else body
+    pieces = [
+        (part, start, min(len(part), start + MAX_CHUNK))
+        for part in parts
+        for start in (range(0, len(part), MAX_CHUNK) if len(part) > MAX_CHUNK else (0,))
+        if part
+    ] or [(b"", 0, 0)]
+    last = len(pieces) - 1
+    for i, (part, start, end) in enumerate(pieces):
+        data = part if end - start == len(part) else bytes(memoryview(part)[start:end])
+        streamed = pb.StreamedBodyResponse(body=data, end_of_stream=i == last and eos)
         common = pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
         yield pb.ProcessingResponse(**{kind: pb.BodyResponse(response=common)})
 
@@ -162,6 +171,8 @@ class Exchange:
     """The gateway's subset hint (endpoint keys), None when it sent none."""
     measurable: bool = False
     """The response is a 2xx event stream: its first byte times the prefill (a cross-check)."""
+    parsed: Parsed | None = None
+    """The body's parse, when it was made off the event loop before the pick."""
 
     # -- request path -------------------------------------------------------------------------
     def on_request_headers(
@@ -178,38 +189,42 @@ class Exchange:
         self.headers = _headers_map(msg)
         if msg.end_of_stream or self.request_mode == NO_BODY:
             # Bodiless (GET /v1/models), or a body Envoy will not send: any ready endpoint.
-            self._pick(b"")
+            self._pick(())
             return [self._headers_response(body_len=None)]
         if self.request_mode == FULL_DUPLEX:
             return []  # answered once the body's end-of-stream arrives
         return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
 
-    def on_request_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
+    def absorb(self, msg: pb.HttpBody) -> None:
+        """Buffer a request body chunk (413 past ``max_body``)."""
         if msg.body:
             self.size += len(msg.body)
             if self.size > self.max_body:
                 raise BodyTooLarge(f"request body exceeds {self.max_body} bytes")
             self.chunks.append(msg.body)
+
+    def on_request_body(self, msg: pb.HttpBody) -> Iterable[pb.ProcessingResponse]:
+        self.absorb(msg)
         if not msg.end_of_stream:
             if self.request_mode == FULL_DUPLEX or self.request_mode == BUFFERED:
                 return []
             return [pb.ProcessingResponse(request_body=pb.BodyResponse())]  # STREAMED: ack each chunk
         return self._finish_request_body()
 
-    def on_request_trailers(self) -> list[pb.ProcessingResponse]:
-        out = [] if self.picked else self._finish_request_body(eos=False)
-        return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+    def on_request_trailers(self) -> Iterable[pb.ProcessingResponse]:
+        out = () if self.picked else self._finish_request_body(eos=False)
+        return itertools.chain(out, (pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),))
 
-    def _finish_request_body(self, eos: bool = True) -> list[pb.ProcessingResponse]:
-        body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
-        self.chunks = []
-        new_body = self._pick(body)
+    def _finish_request_body(self, eos: bool = True) -> Iterable[pb.ProcessingResponse]:
+        """Pick, then answer: full duplex, the headers response and the body streamed back
+        lazily (the caller sends each message before the next is made); buffered, one body
+        response carrying the mutation."""
+        chunks, self.chunks = self.chunks, []
+        new_body = self._pick(chunks)
         if self.request_mode == FULL_DUPLEX:
-            out = new_body if new_body is not None else body
-            return [
-                self._headers_response(len(out) if new_body is not None else None),
-                *body_chunks(out, "request_body", eos),
-            ]
+            head = self._headers_response(len(new_body) if new_body is not None else None)
+            out = new_body if new_body is not None else chunks
+            return itertools.chain((head,), body_chunks(out, "request_body", eos))
         common = self._mutation(body_len=len(new_body) if new_body is not None else None)
         if new_body is not None:
             common.body_mutation.body = new_body
@@ -219,19 +234,23 @@ class Exchange:
             )
         ]
 
-    def _pick(self, body: bytes) -> bytes | None:
-        """Parse, route and start accounting. Returns a rewritten body, or None if unchanged.
-        A bodiless request skips scheduling: any ready endpoint, no index or accounting."""
+    def _pick(self, chunks: Sequence[bytes]) -> bytes | None:
+        """Parse (unless done off the loop), route and start accounting. Returns a rewritten
+        body, or None if unchanged. A bodiless request skips scheduling: any ready endpoint, no
+        index or accounting."""
         self.picked = True
-        if not body:
+        if not any(chunks):
             self.request_id = request_mod.request_id_of(self.headers)
             self.chosen = [self.router.any_ready(self.subset).key]
             self.decision_label = "bodiless"
             return None
-        cfg = self.router.cfg
-        path = self.headers.get(":path", "")
-        req, doc = request_mod.parse(body, path, self.headers, cfg.lora_adapters, cfg.trust_gateway_headers)
-        req = self.router.tokenize(req, doc, path)
+        if self.parsed is None:
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            path = self.headers.get(":path", "")
+            self.parsed = request_mod.parse_and_rewrite(body, path, self.headers, self.router.parse_options)
+        req, new_body, doc = self.parsed
+        if doc is not None:
+            req = self.router.tokenize(req, doc, self.headers.get(":path", ""))
         self.request_id = req.request_id
         decision = self.router.route(req, subset=self.subset)
         self.ticket = self.router.start(decision)
@@ -239,11 +258,7 @@ class Exchange:
         self.decision_label = "prefix_hit" if decision.cycle.matches.get(self.chosen[0], 0) else "prefix_miss"
         if self.telemetry and decision.cycle.n_blocks:
             self.telemetry.prefix_hit_ratio.observe(self.ticket.matched_blocks / decision.cycle.n_blocks)
-        rewrite = self.headers.get(REWRITE_HEADER) if cfg.trust_gateway_headers else None
-        if rewrite and doc.get("model") != rewrite:
-            doc["model"] = rewrite
-            return orjson.dumps(doc)
-        return None
+        return new_body
 
     @property
     def destination(self) -> str:
@@ -311,11 +326,30 @@ class Exchange:
 
 class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(
-        self, router: Router, telemetry: Telemetry | None = None, default_mode: int = FULL_DUPLEX
+        self,
+        router: Router,
+        telemetry: Telemetry | None = None,
+        default_mode: int = FULL_DUPLEX,
+        parser: BodyParser | None = None,
     ) -> None:
         self.router = router
         self.telemetry = telemetry
         self.default_mode = default_mode
+        self.parser = parser
+        """Parses large bodies off the event loop; None parses every body inline."""
+
+    async def _offload(self, ex: Exchange, msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
+        """A large body's last chunk: buffer it, parse the whole body in the worker, and hand the
+        exchange an empty end-of-stream chunk to finish on. Other messages pass unchanged."""
+        if self.parser is None or msg.WhichOneof("request") != "request_body" or ex.picked:
+            return msg
+        chunk = msg.request_body
+        if not chunk.end_of_stream or not self.parser.offloads(ex.size + len(chunk.body)):
+            return msg
+        ex.absorb(chunk)
+        path = ex.headers.get(":path", "")
+        ex.parsed = await self.parser.parse(ex.chunks, path, ex.headers, self.router.parse_options)
+        return pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True))
 
     async def Process(
         self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -327,7 +361,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         try:
             async for msg in requests:
                 try:
-                    out = self._step(ex, msg)
+                    out = self._step(ex, await self._offload(ex, msg))
                 except PickerError as err:
                     outcome = f"error_{err.status}"
                     if self.telemetry and ex.ticket is None:  # else counted by close()
@@ -340,7 +374,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         finally:
             ex.close(outcome)
 
-    def _step(self, ex: Exchange, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    def _step(self, ex: Exchange, msg: pb.ProcessingRequest) -> Iterable[pb.ProcessingResponse]:
         """:meth:`_dispatch`, timing only the call that makes the pick (the e2e histogram holds
         one sample per picked request). Raises only :class:`PickerError`."""
         try:
@@ -360,7 +394,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             )
             raise InternalError("the endpoint picker failed to process the request") from exc
 
-    def _dispatch(self, ex: Exchange, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    def _dispatch(self, ex: Exchange, msg: pb.ProcessingRequest) -> Iterable[pb.ProcessingResponse]:
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
             cfg = msg.protocol_config if msg.HasField("protocol_config") else None

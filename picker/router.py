@@ -32,7 +32,7 @@ from picker.prefix.hashing import seed_for
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memo import HashMemo
 from picker.prefix.precise import PreciseIndex, request_keys
-from picker.request import InferenceRequest
+from picker.request import InferenceRequest, ParseOptions
 from picker.scheduling.cost import CostScorer
 from picker.scheduling.profile import PluginTimer, Profile, Result
 from picker.scheduling.types import Cycle
@@ -76,6 +76,13 @@ class Router:
         self.profile = self.profiles[cfg.policy]
         self._block_tokens = cfg.hashing.block_size / cfg.index.chars_per_token
         self.accounting = Accounting(cfg.rate_ewma_alpha, clock)
+        self.parse_options = ParseOptions(
+            lora_adapters=cfg.lora_adapters,
+            trust_rewrite=cfg.trust_gateway_headers,
+            max_text_chars=cfg.hashing.block_size * cfg.hashing.max_blocks,
+            media_tokens=dict(cfg.media_tokens),
+        )
+        """How request bodies are parsed for this router (its config's view of parsing)."""
         self.calibrator = Calibrator(cfg.calibration)
         for state in pool:
             state.model = cfg.calibration.default_model()
@@ -94,6 +101,8 @@ class Router:
                     self.tokenizer = load_tokenizer(pcfg.tokenizer, pcfg.tokenizer_cache_entries)
                 except Exception as exc:  # tokenizers raises its own Exception types
                     raise ValueError(f"prefix.tokenizer {pcfg.tokenizer!r}: {exc}") from exc
+        if self.tokenizer is not None:
+            self.parse_options = dataclasses.replace(self.parse_options, keep_doc=True)
         pool.on_remove(lambda s: self.index.remove(s.key))
         pool.on_remove(self.calibrator.forget)
 
@@ -143,11 +152,19 @@ class Router:
             return self._precise_cycle(req, candidates, exact, priority)
         text = req.routing_text.encode()
         hashes = self._hash_memo.hashes(text, seed_for(req.model, req.lora, req.cache_salt))
+        beyond = max(0, req.prompt_chars - len(req.routing_text))  # text past the cut, 1 byte/char
+        block_tokens = self._block_tokens
         if tokens is not None:
-            prompt_tokens = len(tokens)
+            prompt_tokens = max(len(tokens), req.prompt_token_count)
+            bs = self.cfg.hashing.block_size
+            if hashes and len(text) + beyond <= bs * len(hashes):  # every id's text was hashed
+                block_tokens = prompt_tokens / len(hashes)
+            elif text:  # ids per byte of the text they stand for, times the bytes in a block
+                covered = len(text) if req.prompt_token_count else len(text) + beyond
+                block_tokens = len(tokens) * bs / covered
         else:
-            prompt_tokens = max(1, int(len(text) / self.cfg.index.chars_per_token))
-        block_tokens = prompt_tokens / len(hashes) if tokens is not None and hashes else self._block_tokens
+            prompt_tokens = max(1, int((len(text) + beyond) / self.cfg.index.chars_per_token))
+        prompt_tokens += req.media_tokens
         matches = self.index.match_many([e.key for e in candidates], hashes)
         cyc = Cycle(req, prompt_tokens, block_tokens, len(hashes), matches, self.clock(), priority)
         return cyc, hashes, None

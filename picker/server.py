@@ -32,6 +32,7 @@ from picker.endpoints.types import EndpointProvider, EndpointState
 from picker.explain import ExplainService
 from picker.extproc import FULL_DUPLEX, ExtProcService
 from picker.http import debug_app, metrics_app
+from picker.offload import BodyParser
 from picker.prefix.subscribers import Subscribers
 from picker.router import Router
 from picker.scrape import Scraper
@@ -74,6 +75,7 @@ class PickerServer:
         self.router = Router(cfg, self.pool, plugin_timer=self.telemetry.plugin_timer)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.pool.on_remove(lambda s: self.telemetry.forget(s.key))
+        self.parser = BodyParser(cfg.parse_offload_bytes)
         self._stopping = asyncio.Event()
         self._force = asyncio.Event()
         self.draining = False
@@ -103,9 +105,8 @@ class PickerServer:
     def _grpc_server(self) -> grpc.aio.Server:
         cap = self.opts.max_concurrent_streams or None
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=cap)
-        pb_grpc.add_ExternalProcessorServicer_to_server(
-            ExtProcService(self.router, self.telemetry, self.opts.default_body_mode), server
-        )
+        service = ExtProcService(self.router, self.telemetry, self.opts.default_body_mode, self.parser)
+        pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if self.opts.enable_explain_grpc:
             explain_pb2_grpc.add_ExplainServicer_to_server(ExplainService(self.router), server)
@@ -146,6 +147,7 @@ class PickerServer:
                 asyncio.create_task(self._watch_readiness()),
             ]
             try:
+                await self.parser.start()
                 await ext.start()
                 await hs.start()
                 runners = await self._http_sites()
@@ -168,6 +170,7 @@ class PickerServer:
                     await r.cleanup()
                 if subs is not None:
                     await subs.close()
+                self.parser.close()
 
     async def _drain(self, ext: grpc.aio.Server) -> None:
         """NOT_SERVING, no new streams, in-flight streams finish (up to the drain timeout, or

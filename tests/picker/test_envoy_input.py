@@ -54,3 +54,20 @@ def test_one_megabyte_body_arrives_byte_identical(envoy_stack: Stack) -> None:
     assert got == 200
     assert doc["bytes"] == len(body)
     assert doc["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+def test_large_bodies_parsed_off_the_loop_route_and_fail_cleanly(envoy_stack: Stack) -> None:
+    """Bodies over parse_offload_bytes (512 KiB) are parsed in the worker process: a 3 MiB chat
+    request with a base64 image arrives byte-identical, and a malformed 1 MiB body is a 400."""
+    import base64
+    import os
+
+    url = "data:image/png;base64," + base64.b64encode(os.urandom(3 * 1024 * 1024 * 3 // 4)).decode()
+    parts = [{"type": "text", "text": "describe"}, {"type": "image_url", "image_url": {"url": url}}]
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": parts}]}).encode()
+    got, doc = send(envoy_stack, body)
+    assert got == 200 and doc["sha256"] == hashlib.sha256(body).hexdigest()
+    got, doc = send(envoy_stack, b'{"model": "m", "prompt": "' + b"x" * (1 << 20))
+    assert got == 400 and "not valid JSON" in str(doc["error"])
+    eps = envoy_stack.wait_in_flight_zero()
+    assert all(e["pending_prefill_tokens"] == 0 for e in eps.values())

@@ -45,9 +45,9 @@ def test_full_duplex_answers_only_after_end_of_stream_then_headers_then_chunks()
     body = json.dumps({"model": "m", "prompt": "x" * 150_000}).encode()
     assert ex.on_request_headers(headers(), None) == []
     third = len(body) // 3
-    assert ex.on_request_body(pb.HttpBody(body=body[:third])) == []
-    assert ex.on_request_body(pb.HttpBody(body=body[third : 2 * third])) == []
-    out = ex.on_request_body(pb.HttpBody(body=body[2 * third :], end_of_stream=True))
+    assert list(ex.on_request_body(pb.HttpBody(body=body[:third]))) == []
+    assert list(ex.on_request_body(pb.HttpBody(body=body[third : 2 * third]))) == []
+    out = list(ex.on_request_body(pb.HttpBody(body=body[2 * third :], end_of_stream=True)))
     first, *chunks = out
     assert first.WhichOneof("response") == "request_headers"
     common = first.request_headers.response
@@ -76,7 +76,7 @@ def test_buffered_mode_mutates_in_the_body_response() -> None:
         hdr.WhichOneof("response") == "request_headers"
         and not hdr.request_headers.response.header_mutation.set_headers
     )
-    [resp] = ex.on_request_body(pb.HttpBody(body=b'{"model": "m", "prompt": "hi"}', end_of_stream=True))
+    [resp] = list(ex.on_request_body(pb.HttpBody(body=b'{"model": "m", "prompt": "hi"}', end_of_stream=True)))
     assert resp.WhichOneof("response") == "request_body"
     assert DEST_HEADER in dest(resp.request_body.response)
     assert resp.request_body.response.clear_route_cache
@@ -85,7 +85,9 @@ def test_buffered_mode_mutates_in_the_body_response() -> None:
 def test_model_rewrite_is_ignored_unless_the_gateway_is_trusted() -> None:
     ex, _ = make()
     ex.on_request_headers(headers(x_gateway_model_name_rewrite="evil"), None)
-    out = ex.on_request_body(pb.HttpBody(body=b'{"model": "alias", "prompt": "hi"}', end_of_stream=True))
+    out = list(
+        ex.on_request_body(pb.HttpBody(body=b'{"model": "alias", "prompt": "hi"}', end_of_stream=True))
+    )
     body = b"".join(o.request_body.response.body_mutation.streamed_response.body for o in out[1:])
     assert json.loads(body)["model"] == "alias"
     assert "content-length" not in dest(out[0].request_headers.response)
@@ -104,7 +106,9 @@ def test_bodiless_request_skips_scheduling_and_accounting() -> None:
 def test_model_rewrite_changes_body_and_content_length() -> None:
     ex, _ = make(trust_gateway_headers=True)
     ex.on_request_headers(headers(x_gateway_model_name_rewrite="target"), None)
-    out = ex.on_request_body(pb.HttpBody(body=b'{"model": "alias", "prompt": "hi"}', end_of_stream=True))
+    out = list(
+        ex.on_request_body(pb.HttpBody(body=b'{"model": "alias", "prompt": "hi"}', end_of_stream=True))
+    )
     new_body = b"".join(o.request_body.response.body_mutation.streamed_response.body for o in out[1:])
     assert json.loads(new_body)["model"] == "target"
     assert dest(out[0].request_headers.response)["content-length"] == str(len(new_body))
@@ -114,7 +118,7 @@ def test_trailers_end_the_body_without_end_of_stream_on_the_last_chunk() -> None
     ex, _ = make()
     ex.on_request_headers(headers(), None)
     ex.on_request_body(pb.HttpBody(body=b'{"model": "m", "prompt": "hi"}'))
-    out = ex.on_request_trailers()
+    out = list(ex.on_request_trailers())
     kinds = [o.WhichOneof("response") for o in out]
     assert kinds == ["request_headers", "request_body", "request_trailers"]
     assert not out[1].request_body.response.body_mutation.streamed_response.end_of_stream
@@ -129,7 +133,7 @@ def test_bodiless_request_is_answered_at_headers() -> None:
 def test_close_is_idempotent_and_releases_accounting() -> None:
     ex, pool = make()
     ex.on_request_headers(headers(), None)
-    ex.on_request_body(pb.HttpBody(body=b'{"model": "m", "prompt": "hi"}', end_of_stream=True))
+    list(ex.on_request_body(pb.HttpBody(body=b'{"model": "m", "prompt": "hi"}', end_of_stream=True)))
     ex.close("aborted")
     ex.close("aborted")
     assert all(s.load.in_flight_requests == 0 and s.load.in_flight_tokens == 0 for s in pool)
@@ -189,7 +193,9 @@ def _mutated(out: list[pb.ProcessingResponse]) -> dict[str, str]:
 def _run(ex: Exchange, mode: int, eos_at_headers: bool = False, **hdrs: str) -> list[pb.ProcessingResponse]:
     out = ex.on_request_headers(headers(eos=eos_at_headers, **hdrs), None)
     if not eos_at_headers:
-        out += ex.on_request_body(pb.HttpBody(body=b'{"model": "m", "prompt": "hi"}', end_of_stream=True))
+        out += list(
+            ex.on_request_body(pb.HttpBody(body=b'{"model": "m", "prompt": "hi"}', end_of_stream=True))
+        )
     return out
 
 

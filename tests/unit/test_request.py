@@ -177,3 +177,45 @@ def test_nesting_at_the_limit_is_accepted() -> None:
     body = b'{"model": "m", "x": ' + b"[" * depth + b"]" * depth + b"}"
     req, doc = parse(body, "/v1/completions", {})
     assert req.model == "m" and "x" in doc
+
+
+def _image_doc(data: bytes, text: str = "what is this?") -> dict[str, object]:
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    parts = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]
+    return {"model": "m", "messages": [{"role": "user", "content": parts}]}
+
+
+def test_media_counts_its_configured_cost_and_hashes_by_content() -> None:
+    from picker.request import MEDIA_MARK, ParseOptions
+
+    big = bytes(range(256)) * 4096  # 1 MiB of image, 1.4 MB of base64
+    opts = ParseOptions(media_tokens={"image": 700})
+    a, _ = parse(orjson.dumps(_image_doc(big)), "/v1/chat/completions", {}, opts=opts)
+    b, _ = parse(orjson.dumps(_image_doc(big, "and this?")), "/v1/chat/completions", {}, opts=opts)
+    c, _ = parse(orjson.dumps(_image_doc(big[::-1])), "/v1/chat/completions", {}, opts=opts)
+    assert a.media_tokens == 700 and len(a.routing_text) < 100, "the base64 is not routing text"
+    assert MEDIA_MARK + "image:" in a.routing_text
+    marker = a.routing_text.split(MEDIA_MARK)[1]
+    assert marker in b.routing_text and marker not in c.routing_text, "digest of the content"
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    d = _parse({"model": "m", "messages": [{"role": "user", "content": [audio]}]})
+    assert d.media_tokens == 512 and MEDIA_MARK + "audio:" in d.routing_text
+
+
+def test_routing_text_stops_at_what_is_hashed_and_counts_the_rest() -> None:
+    from picker.request import ParseOptions
+
+    opts = ParseOptions(max_text_chars=1000)
+    doc = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x" * 5000}, {"role": "user", "content": "y"}],
+    }
+    req, _ = parse(orjson.dumps(doc), "/v1/chat/completions", {}, opts=opts)
+    assert len(req.routing_text) == 1000 and req.prompt_chars == len(_parse(doc).routing_text)
+    ids = list(range(100, 10_100))
+    req, _ = parse(orjson.dumps({"model": "m", "prompt": ids}), "/v1/completions", {}, opts=opts)
+    assert req.prompt_token_count == 10_000 and req.prompt_token_ids is not None
+    assert len(req.prompt_token_ids) < 600 and len(req.routing_text) >= 1000
+    assert _parse({"model": "m", "prompt": ids}).routing_text.startswith(req.routing_text)

@@ -372,3 +372,26 @@ def test_any_ready_is_least_in_flight_within_subset() -> None:
     assert router.any_ready({a.key, b.key}) is b
     with pytest.raises(NoEndpoints):
         router.any_ready(set())
+
+
+def test_cut_routing_text_hashes_the_same_and_estimates_the_whole_prompt() -> None:
+    import orjson
+
+    from picker.request import parse
+
+    router, _, _ = make(1)
+    opts = router.parse_options
+    assert opts.max_text_chars == router.cfg.hashing.block_size * router.cfg.hashing.max_blocks
+    body = orjson.dumps({"model": "m", "prompt": "long document " * 100_000})  # 1.4 MB
+    cut, _ = parse(body, "/v1/completions", {}, opts=opts)
+    whole, _ = parse(body, "/v1/completions", {})
+    assert len(cut.routing_text) == opts.max_text_chars < len(whole.routing_text)
+    d_cut, d_whole = router.route(cut), router.route(whole)
+    assert d_cut.hashes == d_whole.hashes
+    assert d_cut.cycle.prompt_tokens == d_whole.cycle.prompt_tokens == 1_400_000 // 4
+
+
+def test_media_tokens_are_added_to_the_prompt_estimate() -> None:
+    router, _, _ = make(1)
+    plain = router.route(req("a" * 400)).cycle.prompt_tokens
+    assert router.route(req("a" * 400, media_tokens=1024)).cycle.prompt_tokens == plain + 1024

@@ -1,0 +1,214 @@
+"""``python -m bench.parse_stall``: what one large request body costs every other request.
+
+A real picker process (plaintext ext_proc, 4 static endpoints) serves two gRPC clients:
+
+- a prober (this process) sends small completions requests one after another through the
+  ext_proc protocol (headers, one body chunk with end-of-stream) and times each answer;
+- a sender (a separate process) sends large bodies (an 8 MiB chat request carrying a base64 image,
+  or an 8 MiB text prompt) in 64 KiB chunks, as Envoy would, one every ``--gap`` seconds.
+
+The stall is how much longer a probe took than the baseline median while a large body was being
+parsed: we report the worst probe latency and the p99 during the large-body run, against the
+baseline run with no large bodies. Two pickers run side by side in one invocation: with parsing
+offloaded (the default, ``parse_offload_bytes`` 512 KiB) and with it inline (0). Each
+configuration is run ``--repeats`` times; medians and ranges are printed as markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import multiprocessing
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import grpc
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CHUNK = 64 * 1024
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _headers(path: str = "/v1/chat/completions") -> pb.HttpHeaders:
+    hs = [
+        base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
+        base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+    ]
+    return pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs))
+
+
+def _messages(body: bytes, path: str) -> Iterator[pb.ProcessingRequest]:
+    yield pb.ProcessingRequest(request_headers=_headers(path))
+    for start in range(0, len(body), CHUNK):
+        last = start + CHUNK >= len(body)
+        yield pb.ProcessingRequest(
+            request_body=pb.HttpBody(body=body[start : start + CHUNK], end_of_stream=last)
+        )
+
+
+def big_body(kind: str, size: int) -> tuple[bytes, str]:
+    if kind == "image":
+        raw = os.urandom(size * 3 // 4)
+        url = "data:image/png;base64," + base64.b64encode(raw).decode()
+        parts = [
+            {"type": "text", "text": "Describe this image."},
+            {"type": "image_url", "image_url": {"url": url}},
+        ]
+        doc = {"model": "m", "messages": [{"role": "user", "content": parts}]}
+        return orjson.dumps(doc), "/v1/chat/completions"
+    words = "lorem ipsum dolor sit amet consectetur " * (size // 39)
+    return orjson.dumps({"model": "m", "prompt": words}), "/v1/completions"
+
+
+def _send_big(port: int, kind: str, size: int, count: int, gap: float, ready: object) -> None:
+    """The sender process: ``count`` large bodies, one every ``gap`` seconds."""
+    body, path = big_body(kind, size)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        ready.set()  # type: ignore[attr-defined]
+        for _ in range(count):
+            time.sleep(gap)
+            for _resp in stub.Process(_messages(body, path), timeout=60):
+                break  # the headers response: the pick is made
+
+
+async def _probe(stub: pb_grpc.ExternalProcessorStub, body: bytes) -> float:
+    t0 = time.perf_counter()
+    call = stub.Process()
+    await call.write(pb.ProcessingRequest(request_headers=_headers("/v1/completions")))
+    await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+    await call.read()
+    dt = time.perf_counter() - t0
+    await call.done_writing()
+    call.cancel()
+    return dt
+
+
+async def _probe_for(port: int, seconds: float) -> list[float]:
+    body = orjson.dumps({"model": "m", "prompt": "a short question about the weather " * 8})
+    out: list[float] = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        for _ in range(20):  # warm the channel and the picker
+            await _probe(stub, body)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            out.append(await _probe(stub, body))
+    return out
+
+
+def start_picker(offload_bytes: int, tmp: pathlib.Path) -> tuple[subprocess.Popen[bytes], int]:
+    port = _free_port()
+    cfg = tmp / f"cfg-{offload_bytes}.yaml"
+    cfg.write_text(f"parse_offload_bytes: {offload_bytes}\n")
+    eps = ",".join(f"127.0.0.1:{_free_port()}" for _ in range(4))
+    args = [
+        sys.executable,
+        "-m",
+        "picker",
+        "--endpoints",
+        eps,
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        str(port),
+    ]
+    args += ["--grpc-health-port", str(_free_port()), "--metrics-port", str(_free_port())]
+    args += ["--secure-serving", "false", "--scrape-interval", "3600", "--config-file", str(cfg)]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                grpc.channel_ready_future(ch).result(timeout=0.5)
+            time.sleep(1.5)  # the parse worker spawns at start
+            return proc, port
+        except grpc.FutureTimeoutError:
+            assert proc.poll() is None, "picker exited"
+    raise TimeoutError("picker did not start")
+
+
+def run_once(port: int, kind: str, size: int, count: int, gap: float) -> dict[str, float]:
+    base = asyncio.run(_probe_for(port, 2.0))
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    sender = ctx.Process(target=_send_big, args=(port, kind, size, count, gap, ready))
+    sender.start()
+    ready.wait(30)
+    loaded = asyncio.run(_probe_for(port, count * gap + 1.5))
+    sender.join(60)
+    p50 = statistics.median(base)
+    q = statistics.quantiles(loaded, n=100)
+    return {
+        "base_p50_ms": p50 * 1e3,
+        "base_max_ms": max(base) * 1e3,
+        "loaded_p99_ms": q[98] * 1e3,
+        "loaded_max_ms": max(loaded) * 1e3,
+        "stall_ms": (max(loaded) - p50) * 1e3,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.parse_stall", description=__doc__)
+    p.add_argument("--size-mib", type=float, default=8.0)
+    p.add_argument("--kinds", default="image,text")
+    p.add_argument("--bodies", type=int, default=5, help="large bodies per run")
+    p.add_argument("--gap", type=float, default=0.6, help="seconds between large bodies")
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args(argv)
+    size = int(a.size_mib * 1024 * 1024)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        pickers = {
+            name: start_picker(b, pathlib.Path(tmp)) for name, b in (("offload", 512 * 1024), ("inline", 0))
+        }
+        try:
+            for kind in a.kinds.split(","):
+                runs: dict[str, list[dict[str, float]]] = {n: [] for n in pickers}
+                for _ in range(a.repeats):
+                    for name, (_, port) in pickers.items():  # side by side, interleaved
+                        runs[name].append(run_once(port, kind, size, a.bodies, a.gap))
+                for name, rs in runs.items():
+                    rows.append((kind, name, rs))
+        finally:
+            for proc, _ in pickers.values():
+                proc.terminate()
+                proc.wait(10)
+    print(f"{a.size_mib:g} MiB bodies, {a.bodies} per run, {a.repeats} runs; median [min–max] over runs\n")
+    print(
+        "| body | parsing | probe p50 no load ms | probe p99 with large bodies ms | worst probe ms | stall ms |"
+    )
+    print("|---|---|---:|---:|---:|---:|")
+    for kind, name, rs in rows:
+
+        def cell(key: str, rs: list[dict[str, float]] = rs) -> str:
+            vals = [r[key] for r in rs]
+            return f"{statistics.median(vals):.1f} [{min(vals):.1f}–{max(vals):.1f}]"
+
+        print(
+            f"| {kind} | {name} | {cell('base_p50_ms')} | {cell('loaded_p99_ms')} | "
+            f"{cell('loaded_max_ms')} | {cell('stall_ms')} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

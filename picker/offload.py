@@ -1,0 +1,75 @@
+"""Parsing of large request bodies off the event loop, in a worker process.
+
+orjson holds the GIL while it decodes, so a thread would stall the loop just the same: an 8 MiB
+body costs about 40-70 ms of parsing here (``python -m bench.parse_stall`` measures it). Bodies
+of at least ``threshold`` bytes go to one spawned worker process (spawned, not forked: the
+picker's gRPC threads must not be forked); smaller ones, and every body when the worker is
+broken, are parsed inline. What comes back is small: the request with its routing text already
+cut to what the hasher reads, and the rewritten body only when a trusted rewrite changed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from picker.request import Parsed, ParseOptions, parse_and_rewrite
+
+log = logging.getLogger(__name__)
+
+
+class BodyParser:
+    """Owns the worker process; used only from the event loop's thread."""
+
+    def __init__(self, threshold: int, workers: int = 1) -> None:
+        assert threshold >= 0 and workers >= 1, f"bad offload settings {threshold=} {workers=}"
+        self.threshold, self.workers = threshold, workers
+        self._pool: ProcessPoolExecutor | None = None
+
+    def offloads(self, size: int) -> bool:
+        return 0 < self.threshold <= size
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            ctx = multiprocessing.get_context("spawn")
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx)
+        return self._pool
+
+    async def start(self) -> None:
+        """Spawn the worker now (about a second of imports), not on the first large body."""
+        if self.threshold:
+            await asyncio.get_running_loop().run_in_executor(self._executor(), _warm)
+
+    async def parse(
+        self, chunks: Sequence[bytes], path: str, headers: Mapping[str, str], opts: ParseOptions
+    ) -> Parsed:
+        """:func:`~picker.request.parse_and_rewrite` of the joined ``chunks`` in the worker
+        (the join happens there too); raises what it raises."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._executor(), _parse_chunks, list(chunks), path, dict(headers), opts
+            )
+        except BrokenProcessPool:
+            log.warning("body parser worker died; parsing inline and starting a new one")
+            self.close()
+            return _parse_chunks(chunks, path, headers, opts)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+def _parse_chunks(
+    chunks: Sequence[bytes], path: str, headers: Mapping[str, str], opts: ParseOptions
+) -> Parsed:
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return parse_and_rewrite(body, path, headers, opts)
+
+
+def _warm() -> None:
+    """Runs in the worker: importing this module imported everything parsing needs."""
