@@ -261,6 +261,11 @@ class Router:
         cached = min(ticket.prompt_tokens, int(matched * cyc.block_tokens)) if cyc else 0
         self.accounting.move(ticket, new, ticket.prompt_tokens - cached, matched)
         self.index.record(key, ticket.hashes)
+        req = cyc.request if cyc else None
+        bs = self.precise_block_size()
+        if self.precise is not None and req is not None and req.prompt_token_ids is not None and bs:
+            keys = request_keys(req.prompt_token_ids, bs, req.lora, req.cache_salt)
+            self.precise.speculate(key, keys, self.clock())
         return True
 
     def first_token(self, ticket: Ticket, measure: bool = True) -> None:
