@@ -39,7 +39,15 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--aging-s", type=float, default=2.0)
     p.add_argument(
-        "--dedupe-shared-prefixes", action="store_true", help="defer requests waiting on an in-flight prefix"
+        "--dedupe-shared-prefixes",
+        action="store_true",
+        help="defer requests waiting on an in-flight prefix (acts only with --long-prefill-token-threshold)",
+    )
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="cap one request's prefill chunk (as vLLM)",
     )
     p.add_argument(
         "--kv-events-port", type=int, default=0, help="publish vLLM KV events on tcp://HOST:PORT (0: off)"
@@ -78,6 +86,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             cache_aware=a.cache_aware_admission,
             aging_s=a.aging_s,
             dedupe=a.dedupe_shared_prefixes,
+            long_prefill_token_threshold=a.long_prefill_token_threshold,
         ),
     )
 

@@ -79,6 +79,8 @@ class Result:
     ttft_p90: float
     ttft_p99: float
     throughput_rps: float
+    prompt_tokens_per_s: float
+    """Prompt tokens of the requests that finished, per simulated second."""
     sim_seconds: float
     wall_seconds: float
     pickers: int = 1
@@ -137,6 +139,7 @@ class Cluster:
         self.ttfts: list[float] = []
         self.errors = 0
         self.done = 0
+        self.done_prompt_tokens = 0
         self.sent: list[tuple[int, list[int]]] = []
         """(prompt tokens, prompt block hashes) of each request sent, for the ceilings."""
 
@@ -228,6 +231,7 @@ class Cluster:
                 router.finish(ticket)
                 del rep.tickets[req.request_id]
                 self.done += 1
+                self.done_prompt_tokens += len(req.prompt)
         self._kick(rep)
 
     def _agreement(self, router: Router, req: InferenceRequest, chosen: str) -> None:
@@ -359,6 +363,7 @@ def simulate(
         q[89],
         q[98],
         c.done / c.now if c.now else 0.0,
+        c.done_prompt_tokens / c.now if c.now else 0.0,
         c.now,
         time.perf_counter() - t0,
         pickers,
@@ -386,6 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-aligned-prefill", action="store_true")
     p.add_argument("--cache-aware-admission", action="store_true")
     p.add_argument("--dedupe-shared-prefixes", action="store_true")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="each engine's token budget")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0, help="vLLM's per-request chunk cap")
+    p.add_argument(
+        "--charge-cached-tokens",
+        action="store_true",
+        help="ablation: charge cached prompt tokens to the token budget (not vLLM's rule)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the pickers' random tie-breaking")
     p.add_argument(
         "--config-file",
@@ -413,9 +425,12 @@ def main(argv: list[str] | None = None) -> int:
     profs = [profile(name) for name in a.profile.split(",")]
     router_cfg = load_file(a.config_file) if a.config_file else None
     sched = SchedulerConfig(
+        max_num_batched_tokens=a.max_num_batched_tokens,
         page_aligned=a.page_aligned_prefill,
         cache_aware=a.cache_aware_admission,
         dedupe=a.dedupe_shared_prefixes,
+        long_prefill_token_threshold=a.long_prefill_token_threshold,
+        charge_cached_tokens=a.charge_cached_tokens,
     )
     results = [
         simulate(
@@ -438,13 +453,13 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(
         f"{'policy':<14}{'prefix':<12}{'share':<16}{'agree':>6}{'hit rate':>9}{'ideal':>7}{'LRU':>7}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
-        f"{'req/s':>8}{'errors':>7}{'wall s':>8}"
+        f"{'req/s':>8}{'prompt tok/s':>13}{'errors':>7}{'wall s':>8}"
     )
     for r in results:
         print(
             f"{r.policy:<14}{r.prefix_mode:<12}{r.share or '-':<16}{r.agreement:>6.3f}{r.hit_rate:>9.3f}{r.ideal_hit_rate:>7.3f}{r.lru_hit_rate:>7.3f}"
             f"{r.ttft_p50:>10.3f}{r.ttft_p90:>9.3f}{r.ttft_p99:>9.3f}{r.throughput_rps:>8.2f}"
-            f"{r.errors:>7}{r.wall_seconds:>8.1f}"
+            f"{r.prompt_tokens_per_s:>13.0f}{r.errors:>7}{r.wall_seconds:>8.1f}"
         )
     if results:
         r = results[0]

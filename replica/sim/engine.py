@@ -51,7 +51,8 @@ class EngineCore:
         if not batch:
             return None
         self.stats.begin(now)
-        duration = self.profile.step_time([(n, r.num_computed) for r, n in batch]) * self.cfg.time_scale
+        work = [self.sched.computed_part(r, n) for r, n in batch]
+        duration = self.profile.step_time(work) * self.cfg.time_scale
         return Step(batch, duration)
 
     def end(self, step: Step, now: float) -> list[Request]:

@@ -8,10 +8,16 @@ the default and the replica-side options of the vLLM-plugin issue as alternative
   none waits longer than the bound beyond FCFS).
 - ``AdmissionGate``: whether to skip a waiting request this step (vLLM: never; ``Dedupe``: skip
   one whose next uncached block a running request will compute in a later chunk, so that it
-  is admitted afterwards as a hit instead of computing the same block twice). vLLM caches a
-  block when it schedules it, so under FCFS with greedy chunks a follower already hits what the
-  leader scheduled, and the leader's unscheduled chunks have taken the whole budget: the gate
-  changes admissions only where an order or a chunker leaves budget beside a pending prefill.
+  is admitted afterwards as a hit instead of computing the same block twice).
+
+Why dedupe needs a chunk cap (checked in vLLM 0.32: ``KVCacheManager.allocate_slots`` caches
+blocks up to ``num_computed_tokens + num_new_tokens`` when it schedules them): a block is a hit
+for the next request from the step that *schedules* it, computed or not. With greedy chunks a
+running prefill that is not fully scheduled has taken the whole budget, so a follower can only
+be admitted once the leader's whole prompt is scheduled, i.e. cached: the gate has nothing to
+defer. Only ``long_prefill_token_threshold`` (a per-request chunk cap) leaves budget beside a
+pending prefill; there vLLM starts the followers next to the leader and they compute its blocks
+again, and the gate defers them until they hit.
 """
 
 from __future__ import annotations

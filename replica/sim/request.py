@@ -35,6 +35,9 @@ class Request:
     """Leading entries of ``blocks`` registered in the prefix cache."""
     num_cached_tokens: int = -1
     """Prefix-cache hit at first admission, in tokens (``usage.prompt_tokens_details``); -1 before."""
+    free_until: int = 0
+    """Tokens below this were hits: scheduling them again (``charge_cached_tokens``) costs no
+    compute. 0 unless that ablation is on."""
     num_preemptions: int = 0
     first_token_at: float | None = None
     aborted: bool = False

@@ -49,6 +49,16 @@ class SchedulerConfig:
     aging_s: float = 2.0
     dedupe: bool = False
     reserve_full_sequence: bool = True
+    long_prefill_token_threshold: int = 0
+    """vLLM's ``--long-prefill-token-threshold``: a cap on one request's prefill chunk, applied
+    only while more than one request is running or waiting (0: no cap, vLLM's default)."""
+    charge_cached_tokens: bool = False
+    """An ablation, not vLLM: cached prompt tokens are charged to the token budget as if they
+    were computed (they are walked through in chunks, at no compute cost), as before vLLM V1."""
+
+    def __post_init__(self) -> None:
+        cap = self.long_prefill_token_threshold
+        assert cap >= 0, f"long_prefill_token_threshold must be >= 0, got {cap}"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -64,6 +74,7 @@ class Scheduler:
         self.order: AdmissionOrder = CacheAware(cfg.aging_s) if cfg.cache_aware else Fcfs()
         self.gate: AdmissionGate = Dedupe() if cfg.dedupe else Never()
         self.queries = self.hits = self.preemptions = 0  # prefix-cache counters are in tokens
+        self._cap = 0  # the long-prefill cap of the step being scheduled
 
     def add(self, req: Request) -> None:
         assert req.block_size == self.pool.block_size, "request hashed with another block size"
@@ -80,6 +91,8 @@ class Scheduler:
 
     def schedule(self, now: float = 0.0) -> Batch:
         batch: Batch = []
+        several = len(self.running) + len(self.waiting) > 1
+        self._cap = self.cfg.long_prefill_token_threshold if several else 0
         budget = self._schedule_running(batch)
         if budget >= 0:
             self._schedule_waiting(batch, budget, now)
@@ -90,7 +103,7 @@ class Scheduler:
         budget, preempted, i = self.cfg.max_num_batched_tokens, False, 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self.chunker.chunk(req, req.num_tokens - req.num_computed, budget)
+            n = self._chunk(req, req.num_tokens - req.num_computed, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -128,12 +141,13 @@ class Scheduler:
         bs, pool = self.pool.block_size, self.pool
         hit = pool.lookup(req.hashes, req.tokens, (req.num_tokens - 1) // bs)
         cached = len(hit) * bs
-        req.num_computed = cached  # the chunker reads it
-        n = self.chunker.chunk(req, req.num_tokens - cached, budget)
+        req.num_computed = 0 if self.cfg.charge_cached_tokens else cached  # the chunker reads it
+        req.free_until = cached
+        n = self._chunk(req, req.num_tokens - req.num_computed, budget)
         evictable = sum(1 for b in hit if b.ref_cnt == 0)  # touching takes them off the free queue
         end = req.num_tokens if self.cfg.reserve_full_sequence else cached + n
         if n <= 0 or _cdiv(end, bs) - len(hit) + evictable > pool.num_free:
-            req.num_computed = 0
+            req.num_computed = req.free_until = 0
             return 0
         pool.touch(hit)
         req.blocks, req.num_cached_blocks = list(hit), len(hit)
@@ -145,11 +159,24 @@ class Scheduler:
         self._grow(req, n)
         return n
 
+    def _chunk(self, req: Request, left: int, budget: int) -> int:
+        """The chunker's answer under the long-prefill cap (vLLM applies the cap first)."""
+        if 0 < self._cap < left:
+            budget = min(budget, self._cap)
+        return self.chunker.chunk(req, left, budget)
+
+    def computed_part(self, req: Request, n: int) -> tuple[int, int]:
+        """(tokens really computed, their context) of a chunk of ``n`` scheduled for ``req``:
+        the part of a chunk below ``req.free_until`` (a charged cached prefix) costs nothing."""
+        start = max(req.num_computed, req.free_until)
+        computed = req.num_computed + n - start
+        return (computed, start) if computed > 0 else (0, 0)
+
     def _grow(self, req: Request, n: int) -> None:
         """Allocate blocks for ``n`` more tokens and cache the blocks they fill (vLLM caches at
         scheduling time, up to ``num_tokens``)."""
         bs = self.pool.block_size
-        req.blocks += self.pool.allocate(_cdiv(req.num_computed + n, bs) - len(req.blocks))
+        req.blocks += self.pool.allocate(max(_cdiv(req.num_computed + n, bs) - len(req.blocks), 0))
         full, k = min(req.num_computed + n, req.num_tokens) // bs, req.num_cached_blocks
         if full > k:
             parent = req.hashes[k - 1] if k else None
@@ -175,7 +202,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self._free(req)
-        req.num_computed = 0
+        req.num_computed = req.free_until = 0
         req.num_preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(req)

@@ -17,7 +17,8 @@ class PrefixAwareOptions:
     ``cache_aware_admission``: the waiting queue serves the longest cached prefix first, but a
     request that has waited ``aging_s`` seconds goes first in FCFS order.
     ``dedupe_shared_prefixes``: a waiting request whose next uncached block is being computed by
-    a running prefill is deferred (up to ``aging_s``), so it is later admitted as a hit."""
+    a running prefill is deferred (up to ``aging_s``), so it is later admitted as a hit. It only
+    acts with vLLM's ``--long-prefill-token-threshold`` (see ``replica.vllm.scheduler``)."""
 
     page_aligned_prefill: bool = False
     cache_aware_admission: bool = False

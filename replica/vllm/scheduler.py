@@ -9,13 +9,17 @@ It overrides narrow hooks only, never ``schedule()``:
   budget is then charged whole pages for every chunk but a request's last;
 - ``self.waiting`` becomes a :class:`CacheAwareQueue` (``cache_aware_admission``);
 - ``_handle_blocked_waiting_request`` defers a request whose next uncached block is being
-  computed by a running prefill (``dedupe_shared_prefixes``).
+  computed by a running prefill (``dedupe_shared_prefixes``). vLLM caches a block when it
+  schedules it, so a follower already hits every block scheduled so far; without a chunk cap
+  (``--long-prefill-token-threshold``) no budget is ever left beside a pending prefill and the
+  gate never fires. It is for replicas that set the cap (see ``replica.sim.policies``).
 
 With every option off the class is vLLM's scheduler, step for step.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +31,8 @@ from vllm.v1.request import Request
 
 from replica.vllm.options import PrefixAwareOptions, load_options
 from replica.vllm.queue import CacheAwareQueue
+
+log = logging.getLogger(__name__)
 
 
 class PrefixAwareScheduler(Scheduler):
@@ -48,6 +54,11 @@ class PrefixAwareScheduler(Scheduler):
         if self.kvpick.cache_aware_admission and self.policy == SchedulingPolicy.FCFS:
             assert not self.waiting, "the waiting queue is replaced before any request arrives"
             self.waiting = CacheAwareQueue(self.cached_prefix_tokens, self.kvpick.aging_s, clock)
+        if self.kvpick.dedupe_shared_prefixes and not self.scheduler_config.long_prefill_token_threshold:
+            log.warning(
+                "kvpick: dedupe_shared_prefixes has no effect without --long-prefill-token-threshold: "
+                "vLLM already shares every prefix block it has scheduled"
+            )
 
     def cached_prefix_tokens(self, request: Request) -> int:
         """Tokens of ``request``'s prompt found in the prefix cache now (whole blocks). A pure
