@@ -159,7 +159,7 @@ class Scraper:
 
     async def scrape_once(self, state: EndpointState) -> None:
         assert self._session is not None, "Scraper used outside 'async with'"
-        url = f"http://{state.endpoint.address}:{state.endpoint.port}/metrics"
+        url = f"http://{state.key}/metrics"  # the key brackets an IPv6 address
         async with self._session.get(url) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}")

@@ -24,17 +24,22 @@ class Endpoint:
     name: str = ""
     """Pod name (Kubernetes) or a free-form label; informational only."""
     key: str = field(init=False, compare=False, repr=False)
-    """``"ip:port"``, computed once: it is read hundreds of times per scheduling cycle."""
+    """``"ip:port"`` (``"[ipv6]:port"``: what Envoy's ORIGINAL_DST and override_host parse), computed once: it is read hundreds of times per scheduling cycle."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", f"{self.address}:{self.port}")
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        object.__setattr__(self, "key", f"{host}:{self.port}")
 
     @classmethod
     def parse(cls, hostport: str, name: str = "") -> Endpoint:
+        """``ip:port``, or ``[ipv6]:port`` (an IPv6 address must be bracketed)."""
         host, sep, port = hostport.strip().rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"endpoint {hostport!r} is not ip:port")
-        return cls(address=host.strip("[]"), port=int(port), name=name)
+        bracketed = host.startswith("[") and host.endswith("]")
+        if ":" in host and not bracketed:
+            raise ValueError(f"endpoint {hostport!r}: an IPv6 address must be bracketed, [addr]:port")
+        return cls(address=host[1:-1] if bracketed else host, port=int(port), name=name)
 
 
 class Health(enum.Enum):

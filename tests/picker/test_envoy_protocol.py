@@ -203,3 +203,34 @@ def test_subset_hint_is_honoured(tmp_path: pathlib.Path, which: str) -> None:
                 assert status == 503 and body["error"]["type"] == "no_endpoints", (status, body)
     finally:
         procs.close()
+
+
+def test_ipv6_endpoints_route_end_to_end(tmp_path: pathlib.Path) -> None:
+    """An IPv6 replica ("[::1]:port"): scraped, picked, and reached through Envoy's ORIGINAL_DST."""
+    import socket
+
+    procs = Procs(tmp_path)
+    st = Stack(procs, [free_port()])
+    try:
+        port = st.upstreams[0]
+        proc = procs.start("up6", [PY, "-m", "tests.support.upstream", "--ports", str(port), "--host", "::1"])
+        deadline = time.monotonic() + 20
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                socket.create_connection(("::1", port), timeout=0.5).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        st.start_picker("--endpoints", f"[::1]:{port}", "--scrape-interval", "0.1")  # the last wins
+        st.start_envoy()
+        key = f"[::1]:{port}"
+        deadline = time.monotonic() + 10
+        while st.endpoints().get(key, {}).get("health") != "ready":
+            assert time.monotonic() < deadline, st.endpoints()
+            time.sleep(0.1)
+        _wait_served(st, [port])
+        status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "over IPv6"})
+        assert status == 200 and body["served_by"] == port and body["dest_header"] == key, body
+        st.wait_in_flight_zero()
+    finally:
+        procs.close()

@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 
-from tests.support.procs import PY, ROOT, Procs, Stack, free_port, http, post_json
+from tests.support.procs import PY, ROOT, Procs, Stack, free_port, http, post_json, stack
 
 pytestmark = pytest.mark.envoy
 
@@ -131,3 +131,22 @@ def test_in_flight_returns_to_zero(envoy_stack: Stack) -> None:
         complete(envoy_stack, f"count {i}")
     eps = envoy_stack.wait_in_flight_zero()
     assert sum(e["index_blocks"] for e in eps.values()) > 0
+
+
+def test_saturated_pool_sheds_only_sheddable_objectives(tmp_path: pathlib.Path) -> None:
+    cfg = tmp_path / "objectives.yaml"
+    cfg.write_text("objectives: {batch: -1, chat: {priority: 5}}\n")
+    with stack(tmp_path, picker_args=("--config-file", str(cfg), "--scrape-interval", "0.1")) as st:
+        for p in st.upstreams:
+            post_json(f"http://127.0.0.1:{p}/control", {"waiting": 500, "running": 64})
+        deadline = time.monotonic() + 10
+        while min(e["waiting"] for e in st.endpoints().values()) < 500:
+            assert time.monotonic() < deadline, "picker never scraped the overload"
+            time.sleep(0.1)
+        obj = "x-gateway-inference-objective"
+        status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "q"}, {obj: "batch"})
+        assert status == 429 and body["error"]["type"] == "overloaded", body
+        for headers in ({obj: "chat"}, {}, {obj: "unknown"}):
+            status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "q"}, headers)
+            assert status == 200, (headers, body)
+        assert http("GET", st.url + "/v1/models", headers={obj: "batch"})[0] == 200, "bodiless: never shed"

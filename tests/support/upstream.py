@@ -111,7 +111,8 @@ async def serve(ports: list[int], host: str = "127.0.0.1") -> None:
     for port in ports:
         runner = web.AppRunner(make_app(port), access_log=None)
         await runner.setup()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))

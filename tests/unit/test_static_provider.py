@@ -102,3 +102,12 @@ async def test_file_provider_waits_for_the_file(tmp_path: Path) -> None:
         assert sink.sets == []
         write(path, "endpoints: ['127.0.0.1:9000']\n", 1_000_000)
         assert await sink.next_set() == ["127.0.0.1:9000"]
+
+
+def test_ipv6_endpoint_keys_are_bracketed() -> None:
+    ep = Endpoint.parse("[fd00::2]:8001")
+    assert (ep.address, ep.port, ep.key) == ("fd00::2", 8001, "[fd00::2]:8001")
+    assert Endpoint("::1", 80).key == "[::1]:80" and Endpoint("10.0.0.1", 80).key == "10.0.0.1:80"
+    assert Endpoint.parse(ep.key) == ep
+    with pytest.raises(ValueError, match="bracketed"):
+        Endpoint.parse("fd00::2:8001")
