@@ -34,9 +34,11 @@ Failure mode (``failure_mode_allow``):
   ``failure_mode_allow`` (checked with Envoy 1.40). BUFFERED holds the body until the headers are
   answered, so the listener's buffer limit is raised to the picker's body limit.
 
-Response bodies are never BUFFERED: SSE stays streamed. The default FULL_DUPLEX_STREAMED passes
-each chunk through the picker (it sees the first token); NONE keeps the picker off the response
-body entirely (the ext_proc stream still ends with the HTTP stream, which ends its accounting).
+Response bodies are never BUFFERED: SSE stays streamed. FULL_DUPLEX_STREAMED (fail-close's
+default, GIE's) passes each chunk through the picker, which sees the first token; NONE (fail-open's
+default) keeps the picker off the response body entirely: the ext_proc stream still ends with the
+HTTP stream, which ends the picker's accounting, and a picker killed mid-stream cuts no stream
+(with FULL_DUPLEX_STREAMED it cuts those it was passing; bench.reliability measures both).
 
 Timeouts: no total route timeout (a generation may stream for many minutes); a stream with no bytes
 either way for ``--stream-idle-timeout`` (300 s, GIE's HTTPRoute request timeout) is reset; request
@@ -385,8 +387,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--response-body-mode",
         choices=["FULL_DUPLEX_STREAMED", "NONE"],
-        default="FULL_DUPLEX_STREAMED",
-        help="response body: streamed through the picker, or not sent to it at all",
+        default=None,
+        help="response body: streamed through the picker (fail-close default) or not sent to it (fail-open default)",
     )
     p.add_argument("--upstream", choices=["original-dst", "pool"], default="original-dst")
     p.add_argument("--endpoints", default="", help="ip:port,... (needed for --upstream pool)")
@@ -415,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             a.upstream,
             _split(a.endpoints),
             a.admin_port,
-            response_body_mode=a.response_body_mode,
+            response_body_mode=a.response_body_mode or ("NONE" if failure_open else "FULL_DUPLEX_STREAMED"),
             fallback=_split(a.fallback),
             stream_idle_timeout=a.stream_idle_timeout,
             max_body_bytes=a.max_body_bytes,

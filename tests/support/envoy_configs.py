@@ -3,8 +3,8 @@ test stack's ports (the committed files name 127.0.0.1:8001,8002 and the picker 
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
-import sys
 from typing import Any
 
 import yaml
@@ -35,10 +35,13 @@ def local_args(name: str, upstreams: list[int]) -> list[str]:
 
 
 def kind_config(picker: str, listen_port: int, admin_port: int) -> dict[str, Any]:
-    sys.path.insert(0, str(ROOT / "deploy" / "kind"))
-    import envoy_manifest
-
-    cfg: dict[str, Any] = envoy_manifest.envoy_config(picker, tls=True, listen_port=listen_port)
+    spec = importlib.util.spec_from_file_location(
+        "envoy_manifest", ROOT / "deploy" / "kind" / "envoy_manifest.py"
+    )
+    assert spec is not None and spec.loader is not None
+    manifest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(manifest)
+    cfg: dict[str, Any] = manifest.envoy_config(picker, tls=True, listen_port=listen_port)
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
     return cfg
 

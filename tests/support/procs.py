@@ -159,7 +159,15 @@ class Stack:
         for p in self.upstreams:
             wait_port(p, proc=proc)
 
-    def start_picker(self, *extra: str, endpoints: list[int] | None = None, debug: bool = True) -> None:
+    def start_picker(
+        self,
+        *extra: str,
+        endpoints: list[int] | None = None,
+        debug: bool = True,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """The picker on this stack's ports; ``endpoints=[]``: no static list (discovery from
+        ``extra``, e.g. ``--pool-name``)."""
         # A restarted picker keeps its ports, so a running Envoy finds it again.
         self.grpc_port = self.grpc_port or free_port()
         self.health_port = self.health_port or free_port()
@@ -183,7 +191,7 @@ class Stack:
             *(["--enable-debug-api", "--debug-port", str(self.debug_port)] if debug else []),
             *extra,
         ]
-        proc = self.procs.start("picker", args)
+        proc = self.procs.start("picker", args, env)
         wait_port(self.metrics_port, proc=proc)
         wait_port(self.grpc_port, proc=proc)
 
