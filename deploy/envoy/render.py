@@ -64,6 +64,8 @@ _T = "type.googleapis.com/envoy.extensions."
 
 
 def _ext_proc(picker: str, failure_open: bool, request_mode: str, response_mode: str) -> dict[str, Any]:
+    """The ext_proc filter. It forwards the gateway's ``envoy.lb.subset_hint`` metadata and the
+    ``envoy.lb`` namespace (where the served endpoint is reported on the response path)."""
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -75,6 +77,7 @@ def _ext_proc(picker: str, failure_open: bool, request_mode: str, response_mode:
             "failure_mode_allow": failure_open,
             "allow_mode_override": True,
             "message_timeout": "10s",
+            "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]}},
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "response_header_mode": "SEND",
@@ -104,6 +107,46 @@ def _strip_headers() -> list[dict[str, Any]]:
                 "mutations": mutations,
             },
         }
+    ]
+
+
+SERVED_STAMP = "x-kvpick-served"
+SERVED_LUA = f"""
+function envoy_on_response(handle)
+  local served = handle:headers():get("{SERVED_STAMP}")
+  handle:headers():remove("{SERVED_STAMP}")
+  if served then
+    handle:streamInfo():dynamicMetadata():set("envoy.lb", "{DEST}-served", served)
+  end
+end
+"""
+
+
+def _report_served() -> list[dict[str, Any]]:
+    """Filters (before the router) that tell the picker which host served, as the protocol's data
+    plane MUST, for upstreams that may serve a fallback (``pool``). Envoy 1.40's override_host does
+    not report it, so on the response path a header mutation stamps ``%UPSTREAM_HOST%`` and a Lua
+    filter moves it into ``envoy.lb`` metadata, which ext_proc forwards (the client never sees the
+    stamp). Responses run the filter chain backwards: stamp, Lua, then ext_proc."""
+    stamp = {
+        "header": {"key": SERVED_STAMP, "value": "%UPSTREAM_HOST%"},
+        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+    }
+    return [
+        {
+            "name": "envoy.filters.http.lua",
+            "typed_config": {
+                "@type": _T + "filters.http.lua.v3.Lua",
+                "default_source_code": {"inline_string": SERVED_LUA},
+            },
+        },
+        {
+            "name": "kvpick.served_stamp",
+            "typed_config": {
+                "@type": _T + "filters.http.header_mutation.v3.HeaderMutation",
+                "mutations": {"response_mutations": [{"append": stamp}]},
+            },
+        },
     ]
 
 
@@ -269,7 +312,9 @@ def _routes(upstream: str, retries: int, idle: str, fallback: list[str]) -> list
     return routes
 
 
-def _hcm(routes: list[dict[str, Any]], ext_proc: dict[str, Any], idle: str) -> dict[str, Any]:
+def _hcm(
+    routes: list[dict[str, Any]], ext_proc: dict[str, Any], idle: str, served: list[dict[str, Any]]
+) -> dict[str, Any]:
     return {
         "@type": _T + "filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "kvpick",
@@ -285,6 +330,7 @@ def _hcm(routes: list[dict[str, Any]], ext_proc: dict[str, Any], idle: str) -> d
         },
         "http_filters": [
             ext_proc,
+            *served,
             {
                 "name": "envoy.filters.http.router",
                 "typed_config": {
@@ -342,7 +388,12 @@ def render(
                 "filters": [
                     {
                         "name": "envoy.filters.network.http_connection_manager",
-                        "typed_config": _hcm(routes, ext_proc, stream_idle_timeout),
+                        "typed_config": _hcm(
+                            routes,
+                            ext_proc,
+                            stream_idle_timeout,
+                            _report_served() if upstream == "pool" else [],
+                        ),
                     }
                 ]
             }

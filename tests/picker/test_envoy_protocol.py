@@ -55,47 +55,6 @@ def _walk(node: Any, name: str) -> list[dict[str, Any]]:
     return found
 
 
-SERVED_LUA = """
-function envoy_on_response(handle)
-  local served = handle:headers():get("x-kvpick-served")
-  handle:headers():remove("x-kvpick-served")
-  if served then
-    handle:streamInfo():dynamicMetadata():set("envoy.lb", "x-gateway-destination-endpoint-served", served)
-  end
-end
-"""
-
-
-def _report_served(doc: dict[str, Any]) -> dict[str, Any]:
-    """Have Envoy tell the picker which host served, as the protocol's data plane MUST: Envoy
-    1.40's override_host cannot write it (``selected_endpoint_key`` came later), so the response
-    path copies ``%UPSTREAM_HOST%`` into ``envoy.lb`` metadata, which ext_proc forwards."""
-    (hcm,) = _walk(doc, "envoy.filters.network.http_connection_manager")
-    filters = hcm["typed_config"]["http_filters"]
-    (ext,) = _walk(filters, "envoy.filters.http.ext_proc")
-    ext["typed_config"]["metadata_options"] = {"forwarding_namespaces": {"untyped": ["envoy.lb"]}}
-    lua = {
-        "name": "envoy.filters.http.lua",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
-            "default_source_code": {"inline_string": SERVED_LUA},
-        },
-    }
-    stamp = {
-        "name": "kvpick.served_stamp",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {
-                "response_mutations": [
-                    {"append": {"header": {"key": "x-kvpick-served", "value": "%UPSTREAM_HOST%"}}}
-                ]
-            },
-        },
-    }
-    filters[-1:-1] = [lua, stamp]  # responses run the chain backwards: stamp, lua, then ext_proc
-    return doc
-
-
 def _wait_served(st: Stack, ports: list[int]) -> None:
     deadline = time.monotonic() + 20
     while True:
@@ -119,7 +78,8 @@ def test_served_fallback_is_credited(tmp_path: pathlib.Path) -> None:
             "--scrape-interval", "3600", "--policy", "round-robin", "--fallbacks", "1",
             endpoints=[closed, live],
         )  # fmt: skip
-        st.start_envoy(config=yaml.safe_dump(_report_served(_pool_config(st, [closed, live]))))
+        # The shipped pool config reports the served host (render.py's _report_served).
+        st.start_envoy(config=yaml.safe_dump(_pool_config(st, [closed, live])))
         _wait_served(st, [live])
         for i in range(6):  # round-robin: the closed port is primary for half of these
             status, body = post_json(
