@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from picker._proto.kvpick.v1 import explain_pb2_grpc
 from picker.config import RouterConfig
 from picker.endpoints.pool import Pool
-from picker.endpoints.types import EndpointProvider, EndpointState
+from picker.endpoints.types import EndpointProvider, EndpointState, Health
 from picker.explain import ExplainService
 from picker.extproc import FULL_DUPLEX, ExtProcService
 from picker.http import debug_app, metrics_app
@@ -77,6 +77,7 @@ class PickerServer:
         self.pool.on_remove(lambda s: self.telemetry.forget(s.key))
         self.parser = BodyParser(cfg.parse_offload_bytes)
         self._stopping = asyncio.Event()
+        self._subs: Subscribers | None = None
         self._force = asyncio.Event()
         self.draining = False
         """Set once shutdown begins; written only by :meth:`run`."""
@@ -86,6 +87,8 @@ class PickerServer:
 
     def _on_scrape_error(self, state: EndpointState, reason: str) -> None:
         self.telemetry.scrape_errors.labels(state.key, reason).inc()
+        if self._subs is not None and state.health is Health.UNREACHABLE:
+            self._subs.suspect(state.key)
 
     async def _set_health(self, ready: bool) -> None:
         status = SERVING if ready else NOT_SERVING
@@ -138,7 +141,7 @@ class PickerServer:
         hs.add_insecure_port(f"{self.opts.host}:{self.opts.grpc_health_port}")
         await self._set_health(False)
         runners: list[web.AppRunner] = []
-        subs = self._subscribers()
+        subs = self._subs = self._subscribers()
         async with Scraper(self.pool, self.cfg.scrape, self._on_scrape, self._on_scrape_error):
             if subs is not None:
                 subs.attach(self.pool)

@@ -3,7 +3,8 @@
 The pool's add/remove listeners start and stop them: an endpoint ``ip:port`` is subscribed at
 ``tcp://ip:{kv_events_port}`` (and replayed from ``tcp://ip:{kv_events_replay_port}`` when that
 port is set), the same ports on every replica, as vLLM's ``--kv-events-config`` sets them. A
-removed endpoint's task is cancelled and its entries forgotten.
+removed endpoint's task is cancelled and its entries forgotten; an endpoint that stops answering
+its scrapes (``suspect``) has its entries dropped, as a restarted replica's cache is empty.
 
 ``syncs`` (endpoint key → :class:`~picker.prefix.events.Sync`) is the router's view of which
 endpoints are routed precisely. Writer of the dict: this class (on pool changes); each ``Sync`` is
@@ -20,7 +21,7 @@ import zmq.asyncio
 
 from picker.endpoints.pool import Pool
 from picker.endpoints.types import EndpointState
-from picker.prefix.events import Subscriber, Sync
+from picker.prefix.events import State, Subscriber, Sync
 from picker.prefix.precise import PreciseIndex
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,16 @@ class Subscribers:
         task = asyncio.get_running_loop().create_task(sub.run(), name=f"kv-events {key}")
         task.add_done_callback(lambda t: _log_end(key, t))
         self._tasks[key] = task
+
+    def suspect(self, key: str) -> None:
+        """``key`` stopped answering its scrapes: it may have restarted with an empty cache and a
+        new event stream from seq 0. Its entries are dropped and its stream taken afresh (a
+        continuing stream then reads as a gap: replayed, or approximate for ``refill_s``)."""
+        sync = self.syncs.get(key)
+        if sync is None or (sync.state is State.WAITING and sync.expected is None):
+            return
+        self.index.clear(key)
+        sync.state, sync.expected = State.WAITING, None
 
     def remove(self, state: EndpointState) -> None:
         task = self._tasks.pop(state.key, None)
