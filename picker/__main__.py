@@ -182,6 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"replicas' KV-event replay (ROUTER) port, 0 for none {_from_config(cfg.prefix.kv_events_replay_port)}",
     )
     r.add_argument(
+        "--peer-bind",
+        default="",
+        help="publish this picker's picks for its peer replicas on this ZMQ address, e.g. tcp://*:5560",
+    )
+    r.add_argument(
+        "--peers",
+        default="",
+        help="the other picker replicas' --peer-bind addresses, comma-separated (tcp://10.0.0.7:5560,...)",
+    )
+    r.add_argument(
         "--tokenizer",
         default=None,
         help="directory with the model's tokenizer.json and tokenizer_config.json (precise matching of text prompts)",
@@ -290,6 +300,8 @@ def _server_options(args: argparse.Namespace) -> ServerOptions:
         enable_explain_grpc=args.enable_explain_grpc,
         max_concurrent_streams=args.max_concurrent_streams,
         drain_timeout_s=args.drain_timeout,
+        peer_bind=args.peer_bind,
+        peers=tuple(p for p in args.peers.split(",") if p),
     )
 
 

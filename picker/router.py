@@ -93,6 +93,8 @@ class Router:
         self.syncs: dict[str, Sync] = {}
         """Endpoint key → its event stream's state. Writer: whoever feeds ``precise``."""
         self.tokenizer: PromptTokenizer | None = None
+        self.on_pick: Callable[[str, list[int] | None, list[int]], None] | None = None
+        """Told of every pick (endpoint, KV-block keys, text-block hashes): ``picker.peers``."""
         if pcfg.mode != "approximate":
             self.precise = PreciseIndex(pcfg.max_blocks_per_endpoint, pcfg.speculative_ttl_s)
             pool.on_remove(lambda s: self._forget_precise(s.key))
@@ -238,6 +240,8 @@ class Router:
         self.index.record(state.key, decision.hashes)
         if decision.keys and self.precise is not None:
             self.precise.speculate(state.key, decision.keys, self.clock())
+        if self.on_pick is not None:
+            self.on_pick(state.key, decision.keys, decision.hashes)
         uncached = cyc.prompt_tokens - cyc.cached_tokens(state.key)
         return self.accounting.start(
             state, cyc.prompt_tokens, uncached, cyc.matches.get(state.key, 0), cyc, decision.hashes

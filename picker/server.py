@@ -33,6 +33,7 @@ from picker.explain import ExplainService
 from picker.extproc import FULL_DUPLEX, ExtProcService
 from picker.http import debug_app, metrics_app
 from picker.offload import BodyParser
+from picker.peers import Peers
 from picker.prefix.subscribers import Subscribers
 from picker.router import Router
 from picker.scrape import Scraper
@@ -65,6 +66,10 @@ class ServerOptions:
     """Concurrent gRPC calls on the ext_proc port (ext_proc streams and health checks); over it
     a call is refused with RESOURCE_EXHAUSTED and Envoy's failure mode applies. 0: no cap."""
     drain_timeout_s: float = 130.0
+    peer_bind: str = ""
+    """ZMQ address this picker publishes its picks on (``tcp://*:5560``; "" = no peers)."""
+    peers: tuple[str, ...] = ()
+    """The other picker replicas' pick publishers (``tcp://host:5560``), subscribed to."""
 
 
 class PickerServer:
@@ -142,12 +147,14 @@ class PickerServer:
         await self._set_health(False)
         runners: list[web.AppRunner] = []
         subs = self._subs = self._subscribers()
+        peers = Peers(self.router, self.opts.peer_bind, self.opts.peers) if self.opts.peer_bind else None
         async with Scraper(self.pool, self.cfg.scrape, self._on_scrape, self._on_scrape_error):
             if subs is not None:
                 subs.attach(self.pool)
             tasks = [
                 asyncio.create_task(self.provider.run(self.pool)),
                 asyncio.create_task(self._watch_readiness()),
+                *([asyncio.create_task(peers.run())] if peers is not None else []),
             ]
             try:
                 await self.parser.start()
@@ -174,6 +181,8 @@ class PickerServer:
                 if subs is not None:
                     await subs.close()
                 self.parser.close()
+                if peers is not None:
+                    peers.close()
 
     async def _drain(self, ext: grpc.aio.Server) -> None:
         """NOT_SERVING, no new streams, in-flight streams finish (up to the drain timeout, or

@@ -1,0 +1,94 @@
+"""Picker replicas sharing their picks over ZMQ (``picker.peers``): two in-process routers, real
+sockets on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import msgpack
+import pytest
+
+from picker.config import PrefixConfig, RouterConfig
+from picker.endpoints.pool import Pool
+from picker.endpoints.types import Endpoint
+from picker.peers import Peers
+from picker.prefix.events import State, Sync
+from picker.request import InferenceRequest
+from picker.router import Router
+from tests.support.procs import free_port
+
+pytestmark = pytest.mark.precise
+EPS = [Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000), Endpoint("10.0.0.3", 8000)]
+
+
+def router(mode: str) -> Router:
+    pool = Pool()
+    pool.set_endpoints(EPS)
+    r = Router(RouterConfig(prefix=PrefixConfig(mode=mode, block_size=16)), pool)
+    for s in pool:
+        r.syncs[s.key] = Sync(State.SYNCED, expected=0)
+    return r
+
+
+@contextlib.asynccontextmanager
+async def pair(mode: str) -> AsyncIterator[tuple[Router, Router, Peers, Peers]]:
+    pa, pb = free_port(), free_port()
+    a, b = router(mode), router(mode)
+    peer_a = Peers(a, f"tcp://127.0.0.1:{pa}", [f"tcp://127.0.0.1:{pb}"], "a")
+    peer_b = Peers(b, f"tcp://127.0.0.1:{pb}", [f"tcp://127.0.0.1:{pa}"], "b")
+    tasks = [asyncio.create_task(p.run()) for p in (peer_a, peer_b)]
+    await asyncio.sleep(0.5)  # slow joiner
+    try:
+        yield a, b, peer_a, peer_b
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        peer_a.close()
+        peer_b.close()
+
+
+async def settle(p: Peers, n: int) -> None:
+    for _ in range(100):
+        if p.received >= n:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{p.ident} received {p.received}, want {n}")
+
+
+@pytest.mark.parametrize("mode", ["precise", "approximate"])
+async def test_a_peer_pick_steers_the_other_picker(mode: str) -> None:
+    """Picker A sends a new prefix to some endpoint; picker B, told of the pick, sends the
+    prefix's next request to the same endpoint (before any KV event could have said so)."""
+    async with pair(mode) as (a, b, _, peer_b):
+        toks = list(range(100, 100 + 16 * 40))
+        text = " ".join(map(str, toks))
+        req = InferenceRequest(
+            model="m", routing_text=text, prompt_token_ids=toks if mode == "precise" else None
+        )
+        d = a.route(req)
+        a.start(d)
+        await settle(peer_b, 1)
+        assert peer_b.bad == 0
+        db = b.route(req)
+        assert db.primary.key == d.primary.key
+        assert db.cycle.matches[d.primary.key] == db.cycle.n_blocks > 0
+
+
+async def test_malformed_or_foreign_picks_are_dropped() -> None:
+    async with pair("precise") as (_, b, peer_a, peer_b):
+        bad = [
+            b"\xc1",
+            msgpack.packb(["x", "10.9.9.9:1", [1], []]),  # not an endpoint of the pool
+            msgpack.packb(["x", "10.0.0.1:8000", [-1], []]),  # not a 60-bit key
+            msgpack.packb(["x", "10.0.0.1:8000", "keys", []]),
+        ]
+        for body in bad:
+            peer_a._pub.send_multipart([b"pick", body])
+        await settle(peer_b, len(bad))
+        assert peer_b.bad == len(bad)
+        assert b.precise is not None and b.precise._spec_count == 0
