@@ -116,6 +116,14 @@ class Load:
     """Observations folded into ``first_byte_rate``."""
 
 
+@dataclass(slots=True)
+class PeerLoad:
+    """The other picker replicas' work on one endpoint, from their last reports (0 without peers)."""
+
+    in_flight_requests: int = 0
+    pending_prefill_tokens: int = 0
+
+
 @dataclass(slots=True, eq=False)
 class EndpointState:
     """Live state of one endpoint, owned by the :class:`~picker.endpoints.pool.Pool`, in three parts
@@ -130,6 +138,8 @@ class EndpointState:
     :class:`picker.accounting.Accounting`."""
     model: EndpointModel = field(default_factory=EndpointModel)
     """The calibrated speed; written only by :class:`picker.calibration.Calibrator`."""
+    peer_load: PeerLoad = field(default_factory=lambda: PeerLoad())
+    """Other picker replicas' in-flight work here; written only by :class:`picker.peers.Peers`."""
     added_at: float = field(default_factory=time.monotonic)
     key: str = field(init=False)
     """The endpoint's ``"ip:port"``; fixed for the state's life (the pool keys states by it)."""

@@ -64,9 +64,11 @@ class CostScorer:
         for e in endpoints:
             m, model, load = e.metrics, e.model, e.load
             uncached = prompt - min(prompt, int(matches.get(e.key, 0) * block_tokens))
-            pending, waiting = load.pending_prefill_tokens, m.waiting * model.uncached_per_request
+            peer = e.peer_load  # the other picker replicas' work here (picker.peers)
+            pending = load.pending_prefill_tokens + peer.pending_prefill_tokens
+            waiting = m.waiting * model.uncached_per_request
             queued = pending if pending > waiting else waiting  # max() without the call overhead
-            sent = load.in_flight_requests
+            sent = load.in_flight_requests + peer.in_flight_requests
             running = m.running if m.running > sent else sent
             step = model.step_base_s + model.step_per_seq_s * running
             out[e.key] = (queued + miss * uncached) / model.prefill_rate + step

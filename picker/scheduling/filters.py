@@ -71,7 +71,8 @@ class LoadGuardFilter:
     @staticmethod
     def load(e: EndpointState) -> float:
         scraped = e.metrics.running + e.metrics.waiting
-        return e.load.in_flight_requests if e.load.in_flight_requests > scraped else scraped
+        sent = e.load.in_flight_requests + e.peer_load.in_flight_requests
+        return sent if sent > scraped else scraped
 
     def filter(self, cycle: Cycle, endpoints: list[EndpointState]) -> list[EndpointState]:
         if len(endpoints) < 2:

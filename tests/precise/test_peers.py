@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgpack
 import pytest
@@ -52,12 +52,12 @@ async def pair(mode: str) -> AsyncIterator[tuple[Router, Router, Peers, Peers]]:
         peer_b.close()
 
 
-async def settle(p: Peers, n: int) -> None:
-    for _ in range(100):
-        if p.received >= n:
+async def until(cond: Callable[[], bool], what: str) -> None:
+    for _ in range(150):
+        if cond():
             return
         await asyncio.sleep(0.02)
-    raise AssertionError(f"{p.ident} received {p.received}, want {n}")
+    raise AssertionError(what)
 
 
 @pytest.mark.parametrize("mode", ["precise", "approximate"])
@@ -72,7 +72,7 @@ async def test_a_peer_pick_steers_the_other_picker(mode: str) -> None:
         )
         d = a.route(req)
         a.start(d)
-        await settle(peer_b, 1)
+        await until(lambda: peer_b.picks >= 1, "pick received")
         assert peer_b.bad == 0
         db = b.route(req)
         assert db.primary.key == d.primary.key
@@ -89,6 +89,33 @@ async def test_malformed_or_foreign_picks_are_dropped() -> None:
         ]
         for body in bad:
             peer_a._pub.send_multipart([b"pick", body])
-        await settle(peer_b, len(bad))
-        assert peer_b.bad == len(bad)
+        await until(lambda: peer_b.bad >= len(bad), "bad picks counted")
+        await asyncio.sleep(0.1)
+        assert peer_b.bad == len(bad) and peer_b.picks == 0
         assert b.precise is not None and b.precise._spec_count == 0
+
+
+async def test_in_flight_work_is_shared_and_a_dead_peers_fades() -> None:
+    """B sees A's in-flight request and pending prefill on the endpoint A picked, adds them to its
+    cost estimate, and forgets them once A stops reporting (load_ttl_s)."""
+    async with pair("precise") as (a, b, peer_a, peer_b):
+        toks = list(range(16 * 64))
+        req = InferenceRequest(model="m", routing_text="x", prompt_token_ids=toks)
+        d = a.route(req)
+        ticket = a.start(d)
+        key = d.primary.key
+        state_b = b.pool.get(key)
+        assert state_b is not None
+        await until(lambda: state_b.peer_load.in_flight_requests == 1, "peer in-flight seen")
+        assert state_b.peer_load.pending_prefill_tokens == len(toks)
+        assert state_b.load.in_flight_requests == 0, "B's own count is untouched"
+        a.finish(ticket)
+        await until(lambda: state_b.peer_load.in_flight_requests == 0, "peer finish seen")
+        a.start(a.route(req))
+        await until(lambda: sum(s.peer_load.in_flight_requests for s in b.pool) == 1, "in flight again")
+        peer_b.load_ttl_s = 0.2
+        peer_a.load_interval_s = 3600.0  # A goes silent (as if killed)
+        await asyncio.sleep(0.1)
+        await until(
+            lambda: sum(s.peer_load.in_flight_requests for s in b.pool) == 0, "a dead peer's load fades"
+        )
