@@ -108,6 +108,16 @@ async def test_predicted_cached_tokens_match_vllm(
             "96",
         ) as url:
             async with subscriber(ev, replay) as sub:
+                removed = 0
+                remove = sub.index.removed
+
+                def counting(key: str, hashes: Any) -> None:
+                    nonlocal removed
+                    hashes = list(hashes)
+                    removed += len(hashes)
+                    remove(key, hashes)
+
+                sub.index.removed = counting  # type: ignore[method-assign]
                 await asyncio.sleep(0.5)
                 for path, body in workload(120):
                     doc = {"model": model, **body}
@@ -128,15 +138,18 @@ async def test_predicted_cached_tokens_match_vllm(
                     rows.append((path, len(ids), predicted, usage["prompt_tokens_details"]["cached_tokens"]))
                     await quiet(sub)
                 assert sub.sync.state is State.SYNCED and sub.sync.bad == 0, sub.sync
-                evictions = sub.sync.expected
+                evictions = removed
     finally:
         procs.close()
     close = [abs(p - c) <= BS for _, _, p, c in rows]
     exact = sum(p == c for _, _, p, c in rows)
     hits = sum(c > 0 for _, _, _, c in rows)
-    report = f"{sum(close)}/{len(rows)} within a block, {exact} exact, {hits} with cached tokens"
+    report = (
+        f"{sum(close)}/{len(rows)} within a block, {exact} exact, {hits} with cached tokens, "
+        f"{evictions} blocks evicted"
+    )
     print(report)
     assert sum(close) >= 0.99 * len(rows), (report, [r for r, ok in zip(rows, close, strict=True) if not ok])
-    assert hits >= len(rows) // 3, f"the workload must hit the cache: {report}"
+    assert hits >= len(rows) // 5, f"the workload must hit the cache: {report}"
     assert {p for p, *_ in rows} == {"/v1/chat/completions", "/v1/completions"}
-    assert evictions, "events were received"
+    assert evictions > 0, "the run evicted blocks (BlockRemoved events)"
