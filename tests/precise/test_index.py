@@ -9,8 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from picker.prefix.events import BadEvent, Cleared, Removed, Stored, apply, decode_batch
+from picker.config import PrefixConfig, RouterConfig
+from picker.endpoints.pool import Pool
+from picker.endpoints.types import Endpoint
+from picker.prefix.events import BadEvent, Cleared, Removed, State, Stored, Sync, apply, decode_batch
 from picker.prefix.precise import PreciseIndex, chain_keys, request_keys
+from picker.request import InferenceRequest
+from picker.router import Router
 from replica.sim import kv_events as sim_events
 from replica.sim.blocks import Cleared as SimCleared
 from replica.sim.blocks import Removed as SimRemoved
@@ -202,3 +207,30 @@ def test_token_ids_out_of_range_are_a_bad_event() -> None:
     idx = PreciseIndex()
     with pytest.raises(BadEvent):
         apply(idx, "e", [Stored([1], None, [-1] * BS, BS, None)])
+
+
+@pytest.mark.parametrize(
+    ("mode", "state", "precise"),
+    [
+        ("auto", State.WAITING, False),
+        ("auto", State.SYNCED, True),
+        ("auto", State.REFILL, False),
+        ("precise", State.WAITING, True),
+        ("precise", State.SYNCED, True),
+        ("precise", State.REFILL, False),
+    ],
+)
+def test_which_endpoints_are_routed_precisely(mode: str, state: State, precise: bool) -> None:
+    """``auto``: only endpoints whose events were seen in order; ``precise``: also those that have
+    published nothing yet (an idle replica); never one re-syncing after a gap (approximate)."""
+    pool = Pool()
+    pool.set_endpoints([Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)])
+    router = Router(RouterConfig(prefix=PrefixConfig(mode=mode, block_size=BS)), pool)
+    router.syncs["10.0.0.1:8000"] = Sync(state)
+    assert router.is_precise("10.0.0.1:8000") is precise
+    assert not router.is_precise("10.0.0.2:8000"), "no subscriber: approximate"
+    toks = list(range(4 * BS))
+    d = router.route(InferenceRequest(model="m", routing_text="t " * 64, prompt_token_ids=toks))
+    assert (d.keys is not None) is precise
+    off = Router(RouterConfig(), pool)
+    assert off.precise is None and not off.is_precise("10.0.0.1:8000")
