@@ -54,11 +54,26 @@ def manifests(namespace: str, picker: str, tls: bool, image: str, port: int) -> 
         "args": ["-c", "/etc/envoy/envoy.yaml", "--log-level", "info"],
         "ports": [{"name": "http", "containerPort": port}],
         "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2},
-        "volumeMounts": [{"name": "config", "mountPath": "/etc/envoy"}],
+        # As `make docker-e2e` runs it: non-root, no capabilities, read-only root with /tmp writable.
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 10001,
+            "runAsGroup": 10001,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "config", "mountPath": "/etc/envoy"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
     }
     pod_spec = {
         "containers": [container],
-        "volumes": [{"name": "config", "configMap": {"name": "kvpick-envoy"}}],
+        "volumes": [
+            {"name": "config", "configMap": {"name": "kvpick-envoy"}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
     }
     return [
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {"envoy.yaml": config}},
@@ -90,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--namespace", default="kvpick")
     p.add_argument("--picker", required=True, help="picker Service host:port (ext_proc gRPC)")
     p.add_argument("--plaintext", action="store_true", help="the picker runs with --secure-serving=false")
-    p.add_argument("--image", default="envoyproxy/envoy:v1.36-latest")
+    p.add_argument(
+        "--image", default="envoyproxy/envoy:v1.36-latest", help="e2e.sh passes our kvpick envoy image"
+    )
     p.add_argument("--port", type=int, default=8080)
     args = p.parse_args(argv)
     docs = manifests(args.namespace, args.picker, not args.plaintext, args.image, args.port)
