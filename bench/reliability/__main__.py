@@ -34,11 +34,11 @@ RESULTS = ROOT / "bench" / "results" / "reliability.json"
 DOC = ROOT / "docs" / "reliability.md"
 
 
-def run_fuzz(cases: int, seed: int, concurrency: int) -> dict[str, Any]:
+def run_fuzz(cases: int, seed: int, concurrency: int, drawn: float) -> dict[str, Any]:
     from tests.support.procs import stack
 
     start = time.monotonic()
-    todo = fuzz.edge_cases(oversize=10) + fuzz.generate(cases, seed)
+    todo = fuzz.edge_cases(oversize=10) + fuzz.generate(cases, seed, drawn)
     generated = time.monotonic() - start
     with tempfile.TemporaryDirectory() as tmp, stack(pathlib.Path(tmp), n=2) as st:
         start = time.monotonic()
@@ -48,7 +48,9 @@ def run_fuzz(cases: int, seed: int, concurrency: int) -> dict[str, Any]:
         crashes = checks.crash_lines(st.procs.log("picker"))
         in_flight = checks.wait_in_flight_zero(st.metrics_port)
     return {
-        "command": f"python -m bench.reliability fuzz --cases {cases} --seed {seed} --concurrency {concurrency}",
+        "command": f"python -m bench.reliability fuzz --cases {cases} --seed {seed} --concurrency {concurrency}"
+        f" --drawn-fraction {drawn:g}",
+        "drawn_by_hypothesis": int(cases * drawn),
         "cases": tally.sent,
         "generated_s": round(generated, 1),
         "sent_s": round(took, 1),
@@ -114,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", type=int, default=100_000)
     p.add_argument("--seed", type=int, default=20261123)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument(
+        "--drawn-fraction", type=float, default=0.1, help="cases drawn by hypothesis; the rest mutants"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--load-fraction", type=float, default=0.8)
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     machine = f"{platform.machine()}, {os.cpu_count()} cores, shared with other engineers' work"
     if a.what in ("fuzz", "all"):
-        results["fuzz"] = run_fuzz(a.cases, a.seed, a.concurrency) | {"machine": machine}
+        results["fuzz"] = run_fuzz(a.cases, a.seed, a.concurrency, a.drawn_fraction) | {"machine": machine}
         _save(results)
     if a.what in ("faults", "all"):
         results["faults"] = run_faults(a.repeats) | {"machine": machine}

@@ -47,7 +47,7 @@ def _fuzz(f: dict[str, Any]) -> list[str]:
         "",
         f"`{f['command']}` ({f['machine']})",
         "",
-        "A quarter of the cases are drawn by hypothesis strategies (OpenAI-shaped bodies whose every",
+        f"{f.get('drawn_by_hypothesis', 0):,} cases are drawn by hypothesis strategies (OpenAI-shaped bodies whose every",
         "field may also be arbitrary JSON; header sets of reserved and client headers; each body then",
         "possibly truncated, spliced with invalid UTF-8, nested deep, given a huge or non-finite",
         "number, or replaced by random bytes), the rest are seeded mutants of those (one case's body,",
