@@ -57,6 +57,14 @@ BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 REQUEST_ID = "x-request-id"
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+MESSAGE_KINDS = (
+    "request_headers",
+    "request_body",
+    "request_trailers",
+    "response_headers",
+    "response_body",
+    "response_trailers",
+)
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -337,6 +345,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.default_mode = default_mode
         self.parser = parser
         """Parses large bodies off the event loop; None parses every body inline."""
+        self._counted = {k: telemetry.extproc_messages.labels(k) for k in MESSAGE_KINDS} if telemetry else {}
+        """Pre-bound counter children: one ``inc`` per message, no label lookup."""
 
     async def _offload(self, ex: Exchange, msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
         """A large body's last chunk: buffer it, parse the whole body in the worker, and hand the
@@ -396,6 +406,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def _dispatch(self, ex: Exchange, msg: pb.ProcessingRequest) -> Iterable[pb.ProcessingResponse]:
         kind = msg.WhichOneof("request")
+        counter = self._counted.get(kind)
+        if counter is not None:
+            counter.inc()
         if kind == "request_headers":
             cfg = msg.protocol_config if msg.HasField("protocol_config") else None
             return ex.on_request_headers(msg.request_headers, cfg, subset_hint(msg))

@@ -52,6 +52,12 @@ class Telemetry:
             ["endpoint"],
             registry=r,
         )
+        self.extproc_messages = Counter(
+            "kvpick_extproc_messages",
+            "ext_proc messages received from Envoy, by kind (request_headers, request_body, ...)",
+            ["kind"],
+            registry=r,
+        )
         self.scrape_errors = Counter(
             "kvpick_scrape_errors", "Failed /metrics scrapes", ["endpoint", "reason"], registry=r
         )

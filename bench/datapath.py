@@ -1,0 +1,360 @@
+"""``python -m bench.datapath``: the data path's cost — router CPU per request, req/s, p50/p99.
+
+    flock /tmp/kvpick-heavy.lock python -m bench.datapath              # 3 repeats, writes the table
+    python -m bench.datapath --repeats 1 --duration 3 --cases 8k-c64   # a quick look
+
+One fast fixed-response upstream (``bench.upstream``, two ports) serves every router:
+
+- ``kvpick``: Envoy with the shipped default config (``deploy/envoy/render.py`` defaults: TLS
+  ext_proc, ORIGINAL_DST) and our picker (``python -m picker``, default policy); extra variants
+  with other render flags via ``--variant NAME='--flag value ...'``;
+- ``vllm-router`` and ``sglang-router`` (``--policy cache_aware``), the peers;
+- ``direct``: wrk straight to one upstream port (the ceiling).
+
+Each case drives each router with ``wrk`` (Debian package; POSTs one fixed OpenAI chat body from
+a Lua script) and reads the router process's CPU time (utime + stime, ``/proc/PID/stat``) before
+and after: CPU ms per request is the robust figure on a shared machine, req/s and latency are not.
+Runs are interleaved (repeat 1 of every router, then repeat 2, ...) so that the routers of one
+case see the same machine. Writes ``datapath.json`` and ``datapath.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import shlex
+import shutil
+import statistics
+import string
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
+
+from replica.sim.stack import ENVOY, PY, ROOT, Children, wait_port
+
+from .fleet import free_port, http
+
+PEERS = ("vllm-router", "sglang-router")
+_VENV_BIN = pathlib.Path(PY).parent
+_TICK = os.sysconf("SC_CLK_TCK")
+WRK_MISSING = (
+    "bench.datapath needs wrk (an HTTP load generator, Debian package 'wrk'):\n"
+    "    apt-get update && apt-get install -y wrk"
+)
+LUA = r"""
+local body_file = nil
+function init(args)
+  local f = assert(io.open(args[1], "rb"))
+  wrk.body = f:read("*a")
+  f:close()
+  wrk.method = "POST"
+  wrk.headers["Content-Type"] = "application/json"
+end
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'WRKJSON {"requests":%d,"duration_us":%d,"errors":%d,"status_errors":%d,"p50_us":%d,"p99_us":%d}\n',
+    summary.requests, summary.duration, e.connect + e.read + e.write + e.timeout, e.status,
+    latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    body_bytes: int
+    connections: int
+    stream: bool = False
+
+
+CASES = {
+    c.name: c
+    for c in (
+        Case("8k-c64", 8 * 1024, 64),
+        Case("220k-c150", 220 * 1024, 150),
+        Case("8k-c64-sse256", 8 * 1024, 64, stream=True),
+        Case("8k-c8", 8 * 1024, 8),
+        Case("220k-c8", 220 * 1024, 8),
+        Case("8k-c8-sse256", 8 * 1024, 8, stream=True),
+    )
+}
+
+
+@dataclass
+class Run:
+    case: str
+    router: str
+    repeat: int
+    requests: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    cpu_ms_per_req: float
+    """The router process's CPU (the picker's for kvpick), ms per completed request."""
+    envoy_cpu_ms_per_req: float = 0.0
+
+
+def make_body(size: int, stream: bool, seed: int = 0) -> bytes:
+    """An OpenAI chat body of about ``size`` bytes (one user message of random words)."""
+    rng = random.Random(seed)
+    words: list[str] = []
+    n = 0
+    while n < size - 120:
+        w = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9)))
+        words.append(w)
+        n += len(w) + 1
+    head = '{"stream":true,' if stream else "{"
+    doc = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": " ".join(words)}]}
+    return (head + json.dumps(doc)[1:]).encode()
+
+
+def _stat(pid: int) -> list[bytes]:
+    """``/proc/PID/stat`` after the command name (field 3 onwards)."""
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        return fh.read().rsplit(b")", 1)[1].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` and its live descendants (all threads; the picker's body-parsing
+    worker processes included), seconds."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with suppress(OSError, IndexError):
+                children.setdefault(int(_stat(int(entry))[1]), []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        with suppress(OSError):
+            st = _stat(p)
+            total += int(st[11]) + int(st[12])
+        todo.extend(children.get(p, ()))
+    return total / _TICK
+
+
+@dataclass
+class Target:
+    url: str
+    pid: int | None
+    """The router process whose CPU is charged (None for direct)."""
+    envoy_pid: int | None = None
+
+
+def _kvpick(name: str, variant: tuple[list[str], list[str]], ups: list[str], children: Children) -> Target:
+    render_args, picker_args = variant
+    grpc, health, metrics, listen, admin = (free_port() for _ in range(5))
+    args = ["--endpoints", ",".join(ups), "--host", "127.0.0.1", "--log-level", "warning", *picker_args]
+    args += ["--grpc-port", str(grpc), "--grpc-health-port", str(health), "--metrics-port", str(metrics)]
+    picker = children.start(f"{name}-picker", [PY, "-m", "picker", *args])
+    cfg = children.run_dir / f"{name}-envoy.yaml"
+    render = [PY, str(ROOT / "deploy/envoy/render.py"), "--listen-port", str(listen)]
+    render += ["--admin-port", str(admin), "--picker", f"127.0.0.1:{grpc}", *render_args]
+    subprocess.run([*render, "-o", str(cfg)], check=True, cwd=ROOT)
+    envoy = children.start(
+        f"{name}-envoy", [ENVOY, "-c", str(cfg), "-l", "warning", "--base-id", str(listen)]
+    )
+    for port in (metrics, grpc, listen):
+        wait_port(port, children)
+    return Target(f"http://127.0.0.1:{listen}", picker.pid, envoy.pid)
+
+
+def _peer(name: str, ups: list[str], children: Children) -> Target:
+    port, prom = free_port(), free_port()
+    exe = str(_VENV_BIN / name)
+    args = [exe, "launch"] if name == "sglang-router" else [exe]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *(f"http://{u}" for u in ups)]
+    args += ["--policy", "cache_aware", "--prometheus-port", str(prom), "--prometheus-host", "127.0.0.1"]
+    proc = children.start(name, args)
+    wait_port(port, children, timeout=120)
+    return Target(f"http://127.0.0.1:{port}", proc.pid)
+
+
+def _wait_routable(t: Target, children: Children, timeout: float = 60.0) -> None:
+    body = make_body(200, False)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children.check()
+        with suppress(OSError):
+            if http("POST", t.url + "/v1/chat/completions", body)[0] == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{t.url} never answered 200")
+
+
+@contextmanager
+def stack(
+    routers: list[str], variants: dict[str, tuple[list[str], list[str]]], run_dir: pathlib.Path
+) -> Iterator[dict[str, Target]]:
+    children = Children(run_dir)
+    try:
+        ports = [free_port(), free_port()]
+        ups = [f"127.0.0.1:{p}" for p in ports]
+        children.start("upstream", [PY, "-m", "bench.upstream", "--ports", ",".join(map(str, ports))])
+        for p in ports:
+            wait_port(p, children)
+        targets: dict[str, Target] = {}
+        for name in routers:
+            if name == "direct":
+                targets[name] = Target(f"http://{ups[0]}", None)
+            elif name in PEERS:
+                targets[name] = _peer(name, ups, children)
+            else:
+                targets[name] = _kvpick(name, variants.get(name, ([], [])), ups, children)
+        for t in targets.values():
+            _wait_routable(t, children)
+        yield targets
+    finally:
+        children.stop()
+
+
+def wrk(url: str, case: Case, body_file: pathlib.Path, lua: pathlib.Path, duration: float) -> dict[str, int]:
+    threads = min(2, case.connections)
+    cmd = ["wrk", f"-t{threads}", f"-c{case.connections}", f"-d{round(duration)}s", "--timeout", "10s"]
+    cmd += ["-s", str(lua), url + "/v1/chat/completions", "--", str(body_file)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    line = next((ln for ln in out.splitlines() if ln.startswith("WRKJSON ")), None)
+    assert line is not None, f"wrk printed no summary:\n{out}"
+    result: dict[str, int] = json.loads(line[len("WRKJSON ") :])
+    return result
+
+
+def measure(
+    case: Case,
+    router: str,
+    t: Target,
+    repeat: int,
+    body_file: pathlib.Path,
+    lua: pathlib.Path,
+    duration: float,
+) -> Run:
+    cpu0 = cpu_seconds(t.pid) if t.pid else 0.0
+    env0 = cpu_seconds(t.envoy_pid) if t.envoy_pid else 0.0
+    r = wrk(t.url, case, body_file, lua, duration)
+    cpu = (cpu_seconds(t.pid) - cpu0) if t.pid else 0.0
+    env = (cpu_seconds(t.envoy_pid) - env0) if t.envoy_pid else 0.0
+    n = max(1, r["requests"])
+    return Run(
+        case.name,
+        router,
+        repeat,
+        r["requests"],
+        r["requests"] / (r["duration_us"] / 1e6),
+        r["p50_us"] / 1e3,
+        r["p99_us"] / 1e3,
+        r["errors"] + r["status_errors"],
+        cpu * 1e3 / n,
+        env * 1e3 / n,
+    )
+
+
+def _fmt(values: list[float], digits: int) -> str:
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def table(runs: list[Run], cases: list[str], routers: list[str]) -> str:
+    lines = [
+        "| case | router | req/s | p50 ms | p99 ms | router CPU ms/req | Envoy CPU ms/req | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        for r in routers:
+            rs = [x for x in runs if x.case == c and x.router == r]
+            if not rs:
+                continue
+            cpu = _fmt([x.cpu_ms_per_req for x in rs], 3) if r != "direct" else "–"
+            env = _fmt([x.envoy_cpu_ms_per_req for x in rs], 3) if rs[0].envoy_cpu_ms_per_req else "–"
+            lines.append(
+                f"| {c} | {r} | {_fmt([x.rps for x in rs], 0)} | {_fmt([x.p50_ms for x in rs], 2)} | "
+                f"{_fmt([x.p99_ms for x in rs], 2)} | {cpu} | {env} | {sum(x.errors for x in rs)} |"
+            )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.datapath",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
+    p.add_argument("--routers", default="direct,kvpick,vllm-router,sglang-router")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=RENDER_FLAGS[|PICKER_FLAGS]",
+        help="an extra kvpick router NAME with these render.py (and picker) flags, e.g. "
+        "plain='--plaintext | --secure-serving false' (then list NAME in --routers)",
+    )
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--duration", type=float, default=5.0, help="seconds per wrk run")
+    p.add_argument(
+        "--warmup", type=float, default=1.0, help="seconds of wrk per router and case, not counted"
+    )
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--run-dir", default=str(ROOT / ".run" / "datapath"))
+    return p.parse_args(argv)
+
+
+def _variant(flags: str) -> tuple[list[str], list[str]]:
+    render, _, picker = flags.partition("|")
+    return shlex.split(render), shlex.split(picker)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if shutil.which("wrk") is None:
+        print(WRK_MISSING, file=sys.stderr)
+        return 2
+    cases = [CASES[c] for c in a.cases.split(",")]
+    routers = a.routers.split(",")
+    variants = {k: _variant(v) for k, _, v in (x.partition("=") for x in a.variant)}
+    run_dir = pathlib.Path(a.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory() as tmp, stack(routers, variants, run_dir) as targets:
+        lua = pathlib.Path(tmp) / "post.lua"
+        lua.write_text(LUA)
+        for case in cases:
+            body_file = pathlib.Path(tmp) / f"{case.name}.json"
+            body_file.write_bytes(make_body(case.body_bytes, case.stream))
+            for t in targets.values():
+                wrk(t.url, case, body_file, lua, a.warmup)
+            for rep in range(a.repeats):
+                for name, t in targets.items():
+                    run = measure(case, name, t, rep, body_file, lua, a.duration)
+                    runs.append(run)
+                    print(
+                        f"{case.name:14} {name:14} #{rep}: {run.rps:8.0f} req/s  p50 {run.p50_ms:7.2f} ms  "
+                        f"p99 {run.p99_ms:7.2f} ms  cpu {run.cpu_ms_per_req:6.3f} ms/req  errors {run.errors}",
+                        flush=True,
+                    )
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "datapath.json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    cmd = "python -m bench.datapath " + " ".join(
+        shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])
+    )
+    md = table(runs, [c.name for c in cases], routers)
+    (out / "datapath.md").write_text(
+        f"# Data path: router CPU per request\n\n`{cmd}` — {a.repeats} repeats of {a.duration:.0f} s each, "
+        f"medians (min–max).\n\n{md}\n"
+    )
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

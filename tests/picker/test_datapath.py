@@ -1,0 +1,101 @@
+"""The data path through a real Envoy: what the picker receives per request in the shipped default
+config (no response body at all), and a streamed response through GIE's own test config (which
+sends response bodies FULL_DUPLEX_STREAMED: each chunk is echoed unchanged)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import socket
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.procs import Procs, Stack, free_port, http, post_json, stack
+
+pytestmark = pytest.mark.envoy
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+def _messages(st: Stack) -> dict[str, float]:
+    """The picker's ``kvpick_extproc_messages_total`` by kind."""
+    _, text, _ = http("GET", f"http://127.0.0.1:{st.metrics_port}/metrics")
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text.decode()):
+        if fam.name == "kvpick_extproc_messages":
+            for s in fam.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels["kind"]] = s.value
+    return out
+
+
+def _stream(st: Stack, chunks: int) -> bytes:
+    """A streamed completion's raw HTTP response (``Connection: close``: read to EOF)."""
+    body = json.dumps({"model": "m", "prompt": "stream me", "stream": True, "chunks": chunks}).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    got = b""
+    with socket.create_connection(("127.0.0.1", st.envoy_port), timeout=30) as s:
+        s.sendall(head + body)
+        while chunk := s.recv(65536):
+            got += chunk
+    return got
+
+
+def _events(raw: bytes) -> list[bytes]:
+    """The SSE ``data:`` payloads of a chunked HTTP/1.1 response, in order."""
+    head, _, chunked = raw.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n", 1)[0], head
+    body, rest = b"", chunked
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        body, rest = body + rest[:size], rest[size + 2 :]
+    return [line[len(b"data: ") :] for line in body.split(b"\n\n") if line.startswith(b"data: ")]
+
+
+def _check_stream(events: list[bytes], chunks: int) -> None:
+    assert events[-1] == b"[DONE]", events[-3:]
+    docs = [json.loads(e) for e in events[:-1]]
+    assert [d["i"] for d in docs] == list(range(chunks)), "events lost, duplicated or reordered"
+
+
+def test_shipped_default_config_sends_the_picker_no_response_body(tmp_path: pathlib.Path) -> None:
+    with stack(tmp_path) as st:
+        before = _messages(st)
+        for i in range(3):
+            status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": f"plain {i}"})
+            assert status == 200, body
+        _check_stream(_events(_stream(st, 40)), 40)
+        st.wait_in_flight_zero()  # the end of each request still reached accounting
+        after = _messages(st)
+    got = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    assert got["request_headers"] == 4 and got["response_headers"] == 4, got
+    assert got.get("response_body", 0.0) == 0, f"the picker received response bodies: {got}"
+
+
+def test_streamed_response_through_gie_test_config(tmp_path: pathlib.Path) -> None:
+    procs = Procs(tmp_path)
+    st = Stack(procs, [free_port(), free_port()])
+    try:
+        st.start_upstreams()
+        st.start_picker()
+        st.envoy_port = free_port()
+        cfg = (DATA / "gie_test_envoy.yaml").read_text()
+        cfg = cfg.replace("@LISTEN@", str(st.envoy_port)).replace("@ADMIN@", str(free_port()))
+        st.start_envoy(config=cfg.replace("@EPP@", str(st.grpc_port)))
+        deadline = time.monotonic() + 30
+        while post_json(st.url + "/v1/completions", {"model": "m", "prompt": "w"})[0] != 200:
+            assert time.monotonic() < deadline, procs.log("envoy")[-2000:]
+            time.sleep(0.3)
+        before = _messages(st).get("response_body", 0.0)
+        _check_stream(_events(_stream(st, 200)), 200)
+        st.wait_in_flight_zero()
+        assert _messages(st)["response_body"] > before, "GIE's config streams response bodies via ext_proc"
+    finally:
+        procs.close()
