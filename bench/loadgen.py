@@ -1,7 +1,8 @@
 """Streaming load generator (aiohttp): open loop (Poisson or trace timestamps) or closed loop.
 
 Every request is a streamed ``/v1/completions`` with ``stream_options.include_usage``; the
-outcome records TTFT (first chunk carrying text), the gaps between text chunks (ITL), end-to-end
+outcome records TTFT (first chunk carrying a choice: vLLM streams one per token even when the
+token's text is empty, as a partial UTF-8 sequence of the tiny model's byte-level BPE is), the gaps between text chunks (ITL), end-to-end
 latency, ``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens``, or the error.
 
 A request with ``after`` set waits until that request has finished (multi-turn sessions); in the
@@ -95,7 +96,7 @@ async def send(http: aiohttp.ClientSession, url: str, req: Req, o: Outcome, mode
                     continue
                 doc = orjson.loads(line[6:])
                 choices = doc.get("choices") or []
-                if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
+                if choices:  # a token, even one whose text is empty (a partial UTF-8 sequence)
                     now = time.perf_counter() - t0
                     if o.ttft == 0.0:
                         o.ttft = now

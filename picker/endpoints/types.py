@@ -109,6 +109,9 @@ class Load:
     in_flight_tokens: int = 0
     pending_prefill_tokens: int = 0
     """Estimated uncached prompt tokens of requests sent here that have not produced a first byte."""
+    pending_requests: int = 0
+    """Requests sent here that have not produced a first byte (those ``pending_prefill_tokens``
+    counts): the part of the scraped waiting queue whose work the picker knows exactly."""
     first_byte_rate: float = 0.0
     """Cross-check only (the cost scorer does not read it): observed per-request prefill
     throughput in tokens/s (EWMA over 2xx streamed responses); 0 means no observation yet."""

@@ -2,12 +2,17 @@
 endpoint's calibrated load model (:mod:`picker.calibration`, ``EndpointState.model``)::
 
     ttft(e) = (queued(e) + uncached(e)) / rate(e) + step(e, running(e))
+    queued(e) = pending(e) + max(peer_pending(e), (waiting(e) - pending_requests(e)) * u(e))
     step(e, b) = step_base(e) + step_per_seq(e) * b
 
 - ``uncached(e)``: the request's prompt tokens minus those the prefix index says ``e`` holds.
-- ``queued(e)``: prefill work ahead of the request, in tokens: the larger of the uncached tokens
-  we sent to ``e`` that have not produced a first byte yet, and the scraped waiting queue times
-  the endpoint's measured uncached tokens per request.
+- ``queued(e)``: prefill work ahead of the request, in tokens: the uncached tokens we sent to
+  ``e`` that have not produced a first byte yet (known exactly), plus the waiting requests we did
+  not send (the scraped queue minus our requests still in prefill): the other picker replicas'
+  reported pending prefill (``picker.peers``), or the endpoint's measured uncached tokens per
+  request each, whichever is larger. Charging every waiting request the average instead
+  double-counts our own cheap cache hits queued on a prefix's holder and spills hot prefixes
+  needlessly.
 - ``rate(e)``: the endpoint's prefill rate in uncached tokens/s, measured from its own
   ``/metrics`` (pooled with the other endpoints' while it has few scrapes of its own).
 - ``step(e, running(e))``: the engine step the prefill joins, with the running decodes sharing it
@@ -65,9 +70,11 @@ class CostScorer:
             m, model, load = e.metrics, e.model, e.load
             uncached = prompt - min(prompt, int(matches.get(e.key, 0) * block_tokens))
             peer = e.peer_load  # the other picker replicas' work here (picker.peers)
-            pending = load.pending_prefill_tokens + peer.pending_prefill_tokens
-            waiting = m.waiting * model.uncached_per_request
-            queued = pending if pending > waiting else waiting  # max() without the call overhead
+            # Waiting requests we did not send (another picker's, another router's): the peers'
+            # reported prefill, or the measured uncached tokens per request each if larger.
+            foreign = (m.waiting - load.pending_requests) * model.uncached_per_request
+            peer_pending = peer.pending_prefill_tokens
+            queued = load.pending_prefill_tokens + (foreign if foreign > peer_pending else peer_pending)
             sent = load.in_flight_requests + peer.in_flight_requests
             running = m.running if m.running > sent else sent
             step = model.step_base_s + model.step_per_seq_s * running

@@ -104,7 +104,7 @@ def test_first_token_feeds_the_prefill_rate_ewma() -> None:
 
 
 def test_the_calibrated_model_reaches_the_cost_estimate_and_the_explain_api() -> None:
-    """Scrapes (not responses) calibrate: after 40 scrape deltas each, the slow endpoint's own
+    """Scrapes (not responses) calibrate: after 130 scrape deltas each, the slow endpoint's own
     rate (1,024 tokens/s) and the fast one's (4,096) are in the TTFT estimates, and the explain
     API says where each estimate came from."""
     router, pool, _ = make(2)
@@ -112,7 +112,7 @@ def test_the_calibrated_model_reaches_the_cost_estimate_and_the_explain_api() ->
     fresh = router.explain(req("a" * 4096))["endpoints"]
     assert isinstance(fresh, dict)
     assert fresh[slow.key]["model"]["prefill_source"] == "default"
-    for k in range(41):
+    for k in range(131):
         for state, rate in ((slow, 1024.0), (fast, 4096.0)):
             # per scrape: 2 requests, 1,024 uncached tokens, prefill seconds = tokens / rate + one step each
             secs = k * (1024 / rate + 2 * state.model.step_s(0))
@@ -129,7 +129,7 @@ def test_the_calibrated_model_reaches_the_cost_estimate_and_the_explain_api() ->
     assert est[slow.key] > 2.5 * est[fast.key]
     assert slow.model.prefill_rate == pytest.approx(1024.0, rel=0.25)
     assert fast.model.prefill_rate == pytest.approx(4096.0, rel=0.25)
-    assert endpoints[slow.key]["model"]["prefill_source"] == "calibrated from 40 scrapes"
+    assert endpoints[slow.key]["model"]["prefill_source"] == "calibrated from 130 scrapes"
     assert endpoints[slow.key]["model"]["step_source"] == "default", "no decode seen yet"
 
 

@@ -10,8 +10,10 @@ Round-robin alternates replicas, so every pair lands on both and each group is c
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import pathlib
+import random
 import shutil
 import tempfile
 import time
@@ -20,6 +22,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from picker.scrape import parse_metrics
 from tests.support.procs import PY, Procs, Stack, free_port, http, post_json
 from tests.support.vllm import ENV
 
@@ -125,3 +128,71 @@ def test_default_policy_gets_more_prefix_hits_than_round_robin(
     # prefix affinity three times, so ours is ahead by at least a group-prefix worth per group.
     assert ours_hits > rr_hits, f"hit tokens per replica: default {ours}, round-robin {rr}"
     assert ours_hits - rr_hits >= len(TOPICS) * 16 * 32, (ours_hits, rr_hits)
+
+
+def served(url: str) -> float:
+    """The replica's own count of requests it finished (``vllm:request_success_total``)."""
+    _, body, _ = http("GET", url + "/metrics")
+    return parse_metrics(body.decode()).request_success_total
+
+
+def test_hot_prefix_spills_once_its_holder_is_measurably_slower(
+    replicas: list[str], tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """A hot prefix stays on the replica that holds it while that replica is as fast as the
+    other; once the holder is measurably slower (a queue of long prompts sent to it directly,
+    seen in its own scraped gauges and calibrated speed), the same prefix goes to the other
+    replica. Counted by the replicas' own ``vllm:request_success_total``."""
+    model = str(tiny_model_dir)
+    ports = [int(u.rsplit(":", 1)[1]) for u in replicas]
+    for url in replicas:
+        assert http("POST", url + "/reset_prefix_cache")[0] == 200
+    procs = Procs(tmp_path)
+    st = Stack(procs, ports)
+    hot = f"{prefix(0)} Question: which rule applies?"
+
+    def send_hot(n: int) -> list[float]:
+        """Send the hot prompt n times through Envoy; the per-replica counts of requests served."""
+        before = [served(u) for u in replicas]
+        for _ in range(n):
+            status, doc = post_json(
+                st.url + "/v1/completions", {"model": model, "prompt": hot, "max_tokens": 2}
+            )
+            assert status == 200, doc
+        time.sleep(0.5)  # vLLM counts a request when its output is processed
+        return [served(u) - b for u, b in zip(replicas, before, strict=True)]
+
+    try:
+        st.start_picker()  # the default policy, cost
+        st.start_envoy()
+        deadline = time.monotonic() + 30
+        while not all(e["health"] == "ready" for e in st.endpoints().values()):
+            assert time.monotonic() < deadline, f"endpoints never ready: {st.endpoints()}"
+            time.sleep(0.2)
+        first = send_hot(1)
+        holder = first.index(1.0)
+        other = 1 - holder
+        assert send_hot(3)[holder] == 3, "an equally fast holder keeps its prefix"
+        # Make the holder slow: 24 long cold prompts straight to it (not through the picker).
+        rng = random.Random(0)
+        letters = "abcdefghijklmnopqrstuvwxyz"
+        cold = [
+            " ".join("".join(rng.choices(letters, k=3)) for _ in range(300)) for _ in range(24)
+        ]  # ~1,150 tokens
+        with cf.ThreadPoolExecutor(len(cold)) as pool:
+            futures = [
+                pool.submit(
+                    post_json,
+                    replicas[holder] + "/v1/completions",
+                    {"model": model, "prompt": p, "max_tokens": 32},
+                )
+                for p in cold
+            ]
+            time.sleep(1.0)  # a few scrapes: the picker sees the holder's queue
+            spilled = send_hot(3)
+            for f in futures:
+                assert f.result()[0] == 200
+        print(f"hot prefix served per replica: idle {first}, holder slowed {spilled} (holder {holder})")
+        assert spilled[other] >= 1, f"the hot prefix never left the slowed holder: {spilled}"
+    finally:
+        procs.close()

@@ -1,0 +1,116 @@
+"""``python -m bench.hardware``: the cost policy across GPU profiles, in cluster mode.
+
+    python -m bench.hardware [--trace ../shared/workloads/mooncake_synthetic_trace.jsonl]
+                             [--out bench/results/hardware.md] [--json OUT]
+
+The Mooncake synthetic trace on 8 simulated replicas (``replica.sim.cluster``: discrete-event
+time, the picker's own ``Router``), one fleet per row of :data:`FLEETS`, each with the trace's
+arrivals scaled (``time_scale``) to put the fleet near 80% of its capacity, and the same picker
+config for every fleet (no per-profile tuning: the load model calibrates itself from the
+simulated replicas' vLLM metrics). Then one overloaded fleet. Cluster mode is deterministic
+for a seed; each cell is one run (seed 0), and its figures are simulated time, not wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+from dataclasses import dataclass
+
+from replica.sim import trace
+from replica.sim.cluster import Result, simulate
+from replica.sim.costmodel import profile
+
+DEFAULT_TRACE = (
+    pathlib.Path(__file__).resolve().parents[2] / "shared/workloads/mooncake_synthetic_trace.jsonl"
+)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    name: str
+    profiles: tuple[str, ...]
+    time_scale: float
+    """Trace timestamps × this: about 80% of the fleet's capacity (the module docstring)."""
+    limit: int | None = None
+
+
+FLEETS = (
+    Fleet("8 × H100, Llama-3.1-8B", ("h100-llama-3.1-8b",), 1.0),
+    Fleet("8 × A100, Llama-3.1-70B (TP 4)", ("a100-llama-3.1-70b",), 4.0),
+    Fleet("8 × L4, Llama-3.1-8B", ("l4-llama-3.1-8b",), 8.0),
+    Fleet("4 × H100 + 4 × A100, Llama-3.1-8B", ("h100-llama-3.1-8b", "a100-llama-3.1-8b"), 1.4),
+)
+OVERLOADED = Fleet(
+    "overloaded: 8 × A100, Llama-3.1-70B at the trace's own rate", ("a100-llama-3.1-70b",), 1.0, 1500
+)
+POLICIES = ("cost", "round-robin")
+
+
+def run(fleet: Fleet, rows: list[trace.Row]) -> dict[str, Result]:
+    profs = [profile(p) for p in fleet.profiles]
+    rows = rows[: fleet.limit] if fleet.limit else rows
+    out = {}
+    for pol in POLICIES:
+        out[pol] = r = simulate(rows, 8, pol, profs, fleet.time_scale)
+        print(
+            f"[hardware] {fleet.name:<40} {pol:<12} hit {r.hit_rate:.3f} (LRU {r.lru_hit_rate:.3f}) "
+            f"TTFT p50 {r.ttft_p50:.3f} p90 {r.ttft_p90:.3f} errors {r.errors}",
+            flush=True,
+        )
+    return out
+
+
+def table(results: list[tuple[Fleet, dict[str, Result]]]) -> str:
+    lines = [
+        "| fleet | time scale | policy | hit rate | LRU ceiling | ideal | hit / LRU | TTFT p50 s | TTFT p90 s "
+        "| p90 / round-robin | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for fleet, res in results:
+        rr = res["round-robin"]
+        for pol, r in res.items():
+            ratio = r.ttft_p90 / rr.ttft_p90 if rr.ttft_p90 else float("nan")
+            lines.append(
+                f"| {fleet.name} | {fleet.time_scale:g} | {pol} | {r.hit_rate:.3f} | {r.lru_hit_rate:.3f} "
+                f"| {r.ideal_hit_rate:.3f} | {r.hit_rate / r.lru_hit_rate:.2f} | {r.ttft_p50:.3f} | {r.ttft_p90:.3f} "
+                f"| {ratio:.2f} | {r.errors} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.hardware",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--trace", default=str(DEFAULT_TRACE))
+    p.add_argument("--out", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument(
+        "--fleets", default=None, help="comma-separated row numbers of FLEETS (0-based); default all"
+    )
+    p.add_argument("--no-overload", action="store_true")
+    a = p.parse_args(argv)
+    rows = trace.read(a.trace)
+    fleets = [FLEETS[int(i)] for i in a.fleets.split(",")] if a.fleets else list(FLEETS)
+    if not a.no_overload:
+        fleets.append(OVERLOADED)
+    results = [(f, run(f, rows)) for f in fleets]
+    text = table(results)
+    print(text)
+    if a.out:
+        pathlib.Path(a.out).write_text(text, encoding="utf-8")
+    if a.json:
+        doc = [
+            {"fleet": f.name, "time_scale": f.time_scale, **{k: v.__dict__ for k, v in r.items()}}
+            for f, r in results
+        ]
+        pathlib.Path(a.json).write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
