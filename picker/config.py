@@ -63,6 +63,12 @@ class ScrapeConfig:
     stale_after_s: float = 2.0
     unreachable_after: int = 3
     """Consecutive failed scrapes before an endpoint is marked unreachable."""
+    health_path: str = "/health"
+    """Probed with every scrape; a non-2xx answer (other than 404: no such route) marks the
+    endpoint UNHEALTHY at once. "" turns the probe off."""
+    stall_after_s: float = 10.0
+    """An endpoint that is busy (requests in flight, or running/waiting > 0) while its engine
+    counters do not move for this long is STALLED (not routable) until they move. 0: off."""
 
 
 PREFIX_MODES = ("approximate", "precise", "auto")

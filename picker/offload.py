@@ -16,6 +16,7 @@ import multiprocessing
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import resource_tracker
 
 from picker.request import Parsed, ParseOptions, parse_and_rewrite
 
@@ -39,10 +40,11 @@ class BodyParser:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx)
         return self._pool
 
-    async def start(self) -> None:
-        """Spawn the worker now (about a second of imports), not on the first large body."""
+    def start(self) -> None:
+        """Spawn the worker now, not on the first large body. Returns at once: the worker's
+        imports (about a second) run in the worker, not in the picker's startup."""
         if self.threshold:
-            await asyncio.get_running_loop().run_in_executor(self._executor(), _warm)
+            self._executor().submit(_warm)
 
     async def parse(
         self, chunks: Sequence[bytes], path: str, headers: Mapping[str, str], opts: ParseOptions
@@ -58,10 +60,15 @@ class BodyParser:
             self.close()
             return _parse_chunks(chunks, path, headers, opts)
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
+        """Stop the worker; ``wait`` joins it (at exit: no process outlives the picker)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=wait, cancel_futures=True)
             self._pool = None
+            if wait:  # spawn's resource tracker would otherwise outlive us by a moment
+                stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+                if stop is not None:
+                    stop()
 
 
 def _parse_chunks(

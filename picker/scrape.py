@@ -6,7 +6,13 @@ to prometheus_client's parser, so scraping 64 endpoints every 200 ms stays light
 Health rules:
 - a successful scrape → READY;
 - no successful scrape for ``stale_after_s`` → DEGRADED (still routable);
-- ``unreachable_after`` consecutive failures → UNREACHABLE (not routable) until one succeeds.
+- ``unreachable_after`` consecutive failures → UNREACHABLE (not routable) until one succeeds;
+- ``/health`` (probed with every scrape) answering non-2xx, 404 aside → UNHEALTHY at once (not
+  routable): vLLM's API server answers 5xx there when its engine is dead, while ``/metrics``
+  still answers. Leaves the routable set within one ``interval_s`` + ``timeout_s``;
+- busy (our requests in flight, or running + waiting > 0) with the engine's progress counters
+  unchanged for ``stall_after_s`` → STALLED (not routable) until they move: a hung engine
+  whose HTTP server still answers. Leaves within ``stall_after_s`` + one ``interval_s``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -35,6 +42,7 @@ WANTED = (
     "vllm:prefix_cache_queries",
     "vllm:prefix_cache_hits",
     "vllm:prompt_tokens",
+    "vllm:generation_tokens",
     "vllm:request_success",
 )
 """Families kept whole (every sample line whose name starts with one of these)."""
@@ -42,6 +50,7 @@ HISTOGRAMS = (
     "vllm:request_prefill_time_seconds",
     "vllm:request_prefill_kv_computed_tokens",
     "vllm:inter_token_latency_seconds",
+    "vllm:iteration_tokens_total",
 )
 """Histograms of which only ``_sum`` and ``_count`` are kept (the load model's inputs)."""
 EXPECTED = (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError)
@@ -107,9 +116,39 @@ def parse_metrics(text: str, now: float = 0.0) -> EndpointMetrics:
                 m.itl_seconds_sum += s.value
             elif name == "vllm:inter_token_latency_seconds_count":
                 m.itl_count += s.value
+            elif name in PROGRESS:
+                m.progress_total = max(m.progress_total, 0.0) + s.value
     if kv:
         m.kv_usage = sum(kv) / len(kv)
     return m
+
+
+PROGRESS = frozenset(
+    {"vllm:iteration_tokens_total_count", "vllm:generation_tokens_total", "vllm:prompt_tokens_total"}
+)
+"""Counters that move with engine steps: their sum is :attr:`EndpointMetrics.progress_total`."""
+
+
+class Unhealthy(Exception):
+    """The replica answered ``/health`` with an error status: its engine is dead."""
+
+
+@dataclass(slots=True)
+class Progress:
+    """Judges one endpoint's engine stalled: busy, with its progress counters unchanged for
+    ``after_s``. ``since`` is the last time they moved or the endpoint was idle."""
+
+    after_s: float
+    value: float = -1.0
+    since: float = 0.0
+
+    def stalled(self, state: EndpointState, now: float) -> bool:
+        m = state.metrics
+        busy = state.load.in_flight_requests > 0 or m.running + m.waiting > 0
+        if self.after_s <= 0 or m.progress_total < 0 or not busy or m.progress_total != self.value:
+            self.value, self.since = m.progress_total, now
+            return False
+        return now - self.since > self.after_s
 
 
 class Scraper:
@@ -157,15 +196,37 @@ class Scraper:
         if task is not None:
             task.cancel()
 
-    async def scrape_once(self, state: EndpointState) -> None:
+    async def scrape_once(self, state: EndpointState, progress: Progress | None = None) -> None:
+        """Read ``/metrics`` and probe ``/health`` together; raises :class:`Unhealthy` when the
+        probe answers an error, any other exception when either fails."""
         assert self._session is not None, "Scraper used outside 'async with'"
-        url = f"http://{state.key}/metrics"  # the key brackets an IPv6 address
-        async with self._session.get(url) as resp:
+        base = f"http://{state.key}"  # the key brackets an IPv6 address
+        text, _ = await asyncio.gather(self._metrics_text(base), self._probe_health(base))
+        now = time.monotonic()
+        state.metrics = parse_metrics(text, now)
+        stalled = progress is not None and progress.stalled(state, now)
+        if stalled and state.health is not Health.STALLED:
+            log.warning(
+                "endpoint %s stalled: busy, engine counters still for %.1f s",
+                state.key,
+                self.cfg.stall_after_s,
+            )
+        state.health = Health.STALLED if stalled else Health.READY
+
+    async def _metrics_text(self, base: str) -> str:
+        assert self._session is not None
+        async with self._session.get(base + "/metrics") as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}")
-            text = await resp.text()
-        state.metrics = parse_metrics(text, time.monotonic())
-        state.health = Health.READY
+            return await resp.text()
+
+    async def _probe_health(self, base: str) -> None:
+        if not self.cfg.health_path:
+            return
+        assert self._session is not None
+        async with self._session.get(base + self.cfg.health_path) as resp:
+            if resp.status >= 300 and resp.status != 404:
+                raise Unhealthy(f"{self.cfg.health_path} answered HTTP {resp.status}")
 
     async def _poll(self, state: EndpointState) -> None:
         """Scrape until cancelled. Any ``Exception`` counts as a failed scrape: an unexpected one is
@@ -173,12 +234,18 @@ class Scraper:
         endpoint's health freezes. ``CancelledError`` is not an ``Exception`` and ends the task."""
         failures = 0
         last_unexpected = ""
+        progress = Progress(self.cfg.stall_after_s)
         while True:
             try:
-                await self.scrape_once(state)
+                await self.scrape_once(state, progress)
                 failures = 0
                 last_unexpected = ""
                 self.on_update(state)
+            except Unhealthy as exc:
+                if state.health is not Health.UNHEALTHY:
+                    log.warning("endpoint %s unhealthy: %s", state.key, exc)
+                state.health = Health.UNHEALTHY
+                self.on_error(state, "unhealthy")
             except Exception as exc:
                 failures += 1
                 reason = type(exc).__name__

@@ -157,7 +157,7 @@ class PickerServer:
                 *([asyncio.create_task(peers.run())] if peers is not None else []),
             ]
             try:
-                await self.parser.start()
+                self.parser.start()
                 await ext.start()
                 await hs.start()
                 runners = await self._http_sites()
@@ -180,7 +180,7 @@ class PickerServer:
                     await r.cleanup()
                 if subs is not None:
                     await subs.close()
-                self.parser.close()
+                self.parser.close(wait=True)
                 if peers is not None:
                     peers.close()
 

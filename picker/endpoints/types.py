@@ -47,6 +47,11 @@ class Health(enum.Enum):
     READY = "ready"
     DEGRADED = "degraded"  # metrics stale: still routable, scored on stale data
     UNREACHABLE = "unreachable"  # scrape failed repeatedly: not routable
+    UNHEALTHY = "unhealthy"  # /metrics answers but /health fails (a dead engine): not routable
+    STALLED = "stalled"  # busy, but its engine counters stopped moving (a hung engine): not routable
+
+
+NOT_ROUTABLE = frozenset({Health.UNREACHABLE, Health.UNHEALTHY, Health.STALLED})
 
 
 @dataclass(slots=True)
@@ -76,6 +81,9 @@ class EndpointMetrics:
     itl_seconds_sum: float = 0.0
     """``vllm:inter_token_latency_seconds_sum``: time between a request's successive tokens."""
     itl_count: float = 0.0
+    progress_total: float = -1.0
+    """Engine progress: ``vllm:iteration_tokens_total`` steps + generation and prompt tokens; it
+    moves with every engine step. -1 when the page has none of them (then no stall is judged)."""
     updated_at: float = 0.0  # time.monotonic() of the last successful scrape
 
 
@@ -152,7 +160,7 @@ class EndpointState:
 
     @property
     def routable(self) -> bool:
-        return self.health is not Health.UNREACHABLE
+        return self.health not in NOT_ROUTABLE
 
 
 class EndpointSink(Protocol):

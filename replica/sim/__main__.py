@@ -71,6 +71,11 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="usage in every stream, final and per chunk, whatever stream_options says (as vLLM)",
     )
+    p.add_argument(
+        "--enable-fault-api",
+        action="store_true",
+        help="tests only: POST /admin/fault freezes the engine or fails /health",
+    )
     return p
 
 
@@ -108,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         engine = AsyncEngine(core)
         try:
             await serve(
-                make_app(engine, a.model, loras, a.max_loras, a.enable_force_include_usage),
+                make_app(
+                    engine, a.model, loras, a.max_loras, a.enable_force_include_usage, a.enable_fault_api
+                ),
                 engine,
                 a.host,
                 a.port,

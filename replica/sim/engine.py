@@ -73,6 +73,20 @@ class AsyncEngine:
         self.core = core
         self.queues: dict[int, asyncio.Queue[int]] = {}
         self._wake = asyncio.Event()
+        self._thawed = asyncio.Event()
+        self._thawed.set()
+
+    @property
+    def frozen(self) -> bool:
+        return not self._thawed.is_set()
+
+    def freeze(self, frozen: bool) -> None:
+        """A fault for tests: a frozen engine takes no step (a hung GPU) while the HTTP server,
+        /metrics included, keeps answering; requests wait until it thaws."""
+        if frozen:
+            self._thawed.clear()
+        else:
+            self._thawed.set()
 
     def submit(self, req: Request) -> asyncio.Queue[int]:
         req.arrival = time.monotonic()
@@ -96,6 +110,7 @@ class AsyncEngine:
 
     async def run(self) -> None:
         while True:
+            await self._thawed.wait()
             step = self.core.begin(time.monotonic())
             if step is None:
                 self._wake.clear()

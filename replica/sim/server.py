@@ -189,7 +189,12 @@ def make_app(
     loras: tuple[str, ...] = (),
     max_loras: int = 1,
     force_include_usage: bool = False,
+    fault_api: bool = False,
 ) -> web.Application:
+    """The OpenAI and vLLM routes. ``fault_api`` adds ``POST /admin/fault`` (tests only, off by
+    default): ``{"freeze": true}`` stops the engine stepping while HTTP and /metrics still answer
+    (a hung engine), ``{"health": false}`` makes ``/health`` answer 503 (a dead engine)."""
+    fault = {"healthy": True}
     api = Api(engine, model, loras, Metrics(engine.core, model, loras, max_loras), force_include_usage)
 
     async def models(_: web.Request) -> web.Response:
@@ -204,7 +209,15 @@ def make_app(
         return web.json_response({"reset": ok}, status=200 if ok else 409)
 
     async def health(_: web.Request) -> web.Response:
-        return web.Response(text="")
+        return web.Response(text="", status=200 if fault["healthy"] else 503)
+
+    async def set_fault(req: web.Request) -> web.Response:
+        doc = await req.json()
+        if "freeze" in doc:
+            engine.freeze(bool(doc["freeze"]))
+        if "health" in doc:
+            fault["healthy"] = bool(doc["health"])
+        return web.json_response({"frozen": engine.frozen, "health": fault["healthy"]})
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/v1/completions", api.complete)
@@ -213,6 +226,8 @@ def make_app(
     app.router.add_get("/metrics", prom)
     app.router.add_get("/health", health)
     app.router.add_post("/reset_prefix_cache", reset)
+    if fault_api:
+        app.router.add_post("/admin/fault", set_fault)
     return app
 
 

@@ -20,7 +20,7 @@ def test_worker_parse_equals_inline_and_errors_cross_back() -> None:
     async def run() -> None:
         parser = BodyParser(threshold=1024)
         try:
-            await parser.start()
+            parser.start()
             assert parser.offloads(len(body)) and not parser.offloads(10)
             got = await parser.parse([body[:1000], body[1000:]], "/v1/completions", headers, opts)
             assert got == parse_and_rewrite(body, "/v1/completions", headers, opts)

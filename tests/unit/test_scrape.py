@@ -81,7 +81,7 @@ async def test_an_unexpected_scrape_error_is_counted_logged_and_polling_goes_on(
     updated = asyncio.Event()
     calls = 0
 
-    async def flaky(st: EndpointState) -> None:
+    async def flaky(st: EndpointState, progress: object = None) -> None:
         nonlocal calls
         calls += 1
         if calls <= 4:
@@ -100,3 +100,22 @@ async def test_an_unexpected_scrape_error_is_counted_logged_and_polling_goes_on(
     assert state.health is Health.READY, "the endpoint recovers: health did not freeze at UNREACHABLE"
     logged = [r for r in caplog.records if r.name == "picker.scrape" and r.exc_info]
     assert len(logged) == 1 and isinstance(logged[0].exc_info[1], KeyError), "one traceback per streak"  # type: ignore[index]
+
+
+def test_progress_judges_a_busy_engine_with_still_counters_stalled() -> None:
+    from picker.scrape import Progress, parse_metrics
+
+    state = EndpointState(Endpoint("10.0.0.1", 8000))
+    p = Progress(after_s=5.0)
+    page = 'vllm:generation_tokens_total{{model_name="m",engine="0"}} {}\n'
+    state.metrics = parse_metrics(page.format(100))
+    assert state.metrics.progress_total == 100
+    assert not p.stalled(state, 0.0)
+    assert not p.stalled(state, 60.0), "idle: nothing to judge, however long"
+    state.load.in_flight_requests = 1
+    assert not p.stalled(state, 63.0)
+    assert p.stalled(state, 65.5), "busy and still for more than 5 s since it was last idle"
+    state.metrics = parse_metrics(page.format(101))
+    assert not p.stalled(state, 66.0), "the counters moved"
+    state.metrics = parse_metrics("vllm:num_requests_running 3\n")
+    assert state.metrics.progress_total == -1 and not p.stalled(state, 100.0), "no counters: no verdict"
