@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pathlib
 import socket
+import threading
 import time
 
 import pytest
@@ -30,9 +31,10 @@ def _messages(st: Stack) -> dict[str, float]:
     return out
 
 
-def _stream(st: Stack, chunks: int) -> bytes:
+def _stream(st: Stack, chunks: int, delay: float = 0.0) -> bytes:
     """A streamed completion's raw HTTP response (``Connection: close``: read to EOF)."""
-    body = json.dumps({"model": "m", "prompt": "stream me", "stream": True, "chunks": chunks}).encode()
+    doc = {"model": "m", "prompt": "stream me", "stream": True, "chunks": chunks, "delay": delay}
+    body = json.dumps(doc).encode()
     head = (
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
@@ -77,6 +79,21 @@ def test_shipped_default_config_sends_the_picker_no_response_body(tmp_path: path
     got = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     assert got["request_headers"] == 4 and got["response_headers"] == 4, got
     assert got.get("response_body", 0.0) == 0, f"the picker received response bodies: {got}"
+
+
+def test_without_response_bodies_a_stream_stays_in_flight_until_it_ends(tmp_path: pathlib.Path) -> None:
+    """The ext_proc stream ends with the HTTP stream, not after the response headers: a streamed
+    response is counted in flight for its whole length."""
+    with stack(tmp_path) as st:
+        out: list[bytes] = []
+        t = threading.Thread(target=lambda: out.append(_stream(st, 10, delay=0.3)))
+        t.start()
+        time.sleep(1.2)  # headers and a few events are through; about 2 s of stream left
+        mid = sum(e["in_flight_requests"] for e in st.endpoints().values())
+        t.join(10)
+        assert mid == 1, f"in flight mid-stream: {mid}"
+        _check_stream(_events(out[0]), 10)
+        st.wait_in_flight_zero()
 
 
 def test_streamed_response_through_gie_test_config(tmp_path: pathlib.Path) -> None:
