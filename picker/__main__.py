@@ -9,14 +9,19 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
+import subprocess
 import sys
+from typing import Any
 
 from picker import config as config_mod
+from picker import workers
 from picker.endpoints.static import FileProvider, StaticProvider, parse_list
 from picker.endpoints.types import EndpointProvider
 from picker.extproc import BUFFERED, FULL_DUPLEX
 from picker.server import PickerServer, ServerOptions
+from picker.workers import WORKER_FLAG
 
 
 def _bool(v: str) -> bool:
@@ -182,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"replicas' KV-event replay (ROUTER) port, 0 for none {_from_config(cfg.prefix.kv_events_replay_port)}",
     )
     r.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="picker processes in this pod sharing its ports (SO_REUSEPORT), agreeing over the peer channel",
+    )
+    r.add_argument(WORKER_FLAG, type=int, default=0, help=argparse.SUPPRESS)
+    r.add_argument("--worker-dir", default="", help=argparse.SUPPRESS)
+    r.add_argument(
         "--peer-bind",
         default="",
         help="publish this picker's picks for its peer replicas on this ZMQ address, e.g. tcp://*:5560",
@@ -262,7 +275,21 @@ def build_provider(args: argparse.Namespace) -> EndpointProvider:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.workers < 1:
+        print("picker: bad configuration: --workers must be >= 1", file=sys.stderr)
+        return 2
+    children: list[subprocess.Popen[bytes]] = []
+    if args.workers > 1 and args.worker_index == 0:
+        args.worker_dir, children = workers.spawn(argv, args.workers)
+    try:
+        return _serve(args)
+    finally:
+        workers.stop(children)
+
+
+def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -278,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, server.stop)
+        if args.worker_index > 0:  # a child worker ends with worker 0
+            watchdog = asyncio.create_task(workers.exit_with_parent(os.getppid(), server.stop))
         await server.run()
+        if args.worker_index > 0:
+            watchdog.cancel()
 
     asyncio.run(_run())
     return 0
@@ -300,9 +331,19 @@ def _server_options(args: argparse.Namespace) -> ServerOptions:
         enable_explain_grpc=args.enable_explain_grpc,
         max_concurrent_streams=args.max_concurrent_streams,
         drain_timeout_s=args.drain_timeout,
-        peer_bind=args.peer_bind,
-        peers=tuple(p for p in args.peers.split(",") if p),
+        **_peer_options(args),
     )
+
+
+def _peer_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The peer channel: the flags', plus, with ``--workers``, one ipc address per worker."""
+    binds = [b for b in args.peer_bind.split(",") if b]
+    peers = [p for p in args.peers.split(",") if p]
+    if args.workers > 1:
+        local = workers.peer_addresses(args.worker_dir, args.workers)
+        binds.append(local[args.worker_index])
+        peers += [a for i, a in enumerate(local) if i != args.worker_index]
+    return {"peer_bind": ",".join(binds), "peers": tuple(peers), "reuse_port": args.workers > 1}
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ class Peers:
         self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 10_000)
-        self._pub.bind(bind)
+        for address in bind.split(","):  # e.g. a pod-wide tcp address and a worker's ipc one
+            self._pub.bind(address)
         self.received = 0
         self.picks = 0
         self.bad = 0

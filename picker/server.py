@@ -66,6 +66,8 @@ class ServerOptions:
     """Concurrent gRPC calls on the ext_proc port (ext_proc streams and health checks); over it
     a call is refused with RESOURCE_EXHAUSTED and Envoy's failure mode applies. 0: no cap."""
     drain_timeout_s: float = 130.0
+    reuse_port: bool = False
+    """Bind every port with SO_REUSEPORT (``--workers``: N processes share them)."""
     peer_bind: str = ""
     """ZMQ address this picker publishes its picks on (``tcp://*:5560``; "" = no peers)."""
     peers: tuple[str, ...] = ()
@@ -112,7 +114,8 @@ class PickerServer:
 
     def _grpc_server(self) -> grpc.aio.Server:
         cap = self.opts.max_concurrent_streams or None
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=cap)
+        reuse = int(self.opts.reuse_port)
+        server = grpc.aio.server(options=[("grpc.so_reuseport", reuse)], maximum_concurrent_rpcs=cap)
         service = ExtProcService(self.router, self.telemetry, self.opts.default_body_mode, self.parser)
         pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -135,13 +138,13 @@ class PickerServer:
         for app, host, port in faces:
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
-            await web.TCPSite(runner, host, port).start()
+            await web.TCPSite(runner, host, port, reuse_port=self.opts.reuse_port or None).start()
             runners.append(runner)
         return runners
 
     async def run(self) -> None:
         ext = self._grpc_server()
-        hs = grpc.aio.server()
+        hs = grpc.aio.server(options=[("grpc.so_reuseport", int(self.opts.reuse_port))])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
         hs.add_insecure_port(f"{self.opts.host}:{self.opts.grpc_health_port}")
         await self._set_health(False)
