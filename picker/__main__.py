@@ -15,8 +15,10 @@ import subprocess
 import sys
 from typing import Any
 
+import yaml
+
 from picker import config as config_mod
-from picker import workers
+from picker import gie_flags, workers
 from picker.endpoints.static import FileProvider, StaticProvider, parse_list
 from picker.endpoints.types import EndpointProvider
 from picker.extproc import BUFFERED, FULL_DUPLEX
@@ -52,6 +54,7 @@ def _from_config(value: object) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m picker", description=__doc__, formatter_class=_HelpFormatter)
     so, cfg = ServerOptions(), config_mod.RouterConfig()
+    gie_flags.add_flags(p)  # printed first, after the options group
     g = p.add_argument_group("serving (GIE-compatible names)")
     g.add_argument(
         "--grpc-port", type=int, default=so.grpc_port, help="ext_proc gRPC port (also serves gRPC health)"
@@ -217,16 +220,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--log-level",
-        default="info",
+        default=None,
         choices=["debug", "info", "warning", "error"],
-        help="level of the picker's own log lines (stderr)",
+        help="level of the picker's own log lines (stderr); default info, or what GIE's -v says",
     )
     return p
 
 
+def _config_file(path: str | None) -> config_mod.RouterConfig:
+    """The config file, or the defaults when there is none or it is GIE's EndpointPickerConfig
+    (GIE's chart mounts one; kvpick keeps its own policies and says so once)."""
+    if not path:
+        return config_mod.RouterConfig()
+    with open(path, encoding="utf-8") as fh:
+        raw = yaml.safe_load(fh)
+    if gie_flags.is_gie_config(raw):
+        logging.getLogger("picker").warning(
+            "%s is GIE's EndpointPickerConfig: its plugins are ignored; kvpick runs its default "
+            "policy (give a kvpick config file to change it)",
+            path,
+        )
+        return config_mod.RouterConfig()
+    return config_mod.load_file(path)
+
+
 def build_config(args: argparse.Namespace) -> config_mod.RouterConfig:
-    cfg = config_mod.load_file(args.config_file) if args.config_file else config_mod.RouterConfig()
+    cfg = _config_file(args.config_file)
     changes: dict[str, object] = {}
+    cfg = dataclasses.replace(cfg, scrape=gie_flags.scrape_config(args, cfg.scrape))
     if args.policy:
         changes["policy"] = args.policy
     if args.fallbacks is not None:
@@ -290,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    level = args.log_level or gie_flags.log_level(args) or "info"
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    gie_flags.report(args)
     try:
         cfg = build_config(args)
         provider = build_provider(args)
@@ -331,6 +352,7 @@ def _server_options(args: argparse.Namespace) -> ServerOptions:
         enable_explain_grpc=args.enable_explain_grpc,
         max_concurrent_streams=args.max_concurrent_streams,
         drain_timeout_s=args.drain_timeout,
+        pool_name=args.pool_name or "kvpick",
         **_peer_options(args),
     )
 

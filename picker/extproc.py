@@ -264,6 +264,8 @@ class Exchange:
         self.ticket = self.router.start(decision)
         self.chosen = [e.key for e in decision.chosen]
         self.decision_label = "prefix_hit" if decision.cycle.matches.get(self.chosen[0], 0) else "prefix_miss"
+        if self.telemetry:
+            self.telemetry.count_request(req.model, req.model)
         if self.telemetry and decision.cycle.n_blocks:
             self.telemetry.prefix_hit_ratio.observe(self.ticket.matched_blocks / decision.cycle.n_blocks)
         return new_body

@@ -44,6 +44,11 @@ log = logging.getLogger(__name__)
 EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+READINESS_SERVICES = ("", "readiness", EXTPROC_SERVICE)
+GIE_PROBE_SERVICE = "inference-extension"
+"""What GIE's chart probes on 9003, for liveness and readiness alike, when leader election is
+off: SERVING once discovery has synced, and still while draining (a failing liveness probe would
+get the pod killed before its streams finish)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,8 @@ class ServerOptions:
     drain_timeout_s: float = 130.0
     reuse_port: bool = False
     """Bind every port with SO_REUSEPORT (``--workers``: N processes share them)."""
+    pool_name: str = "kvpick"
+    """The ``name`` label of the ``inference_pool_*`` metrics (GIE's: the InferencePool's name)."""
     peer_bind: str = ""
     """ZMQ address this picker publishes its picks on (``tcp://*:5560``; "" = no peers)."""
     peers: tuple[str, ...] = ()
@@ -78,8 +85,13 @@ class PickerServer:
     def __init__(self, cfg: RouterConfig, provider: EndpointProvider, opts: ServerOptions) -> None:
         self.cfg, self.provider, self.opts = cfg, provider, opts
         self.pool = Pool()
-        self.telemetry = Telemetry()
+        self.telemetry = Telemetry(pool_name=opts.pool_name)
         self.router = Router(cfg, self.pool, plugin_timer=self.telemetry.plugin_timer)
+        for prof in self.router.profiles.values():  # GIE's extension_point label per plugin
+            points = self.telemetry.extension_points
+            points.update({name: "Filter" for name, _ in prof.filters})
+            points.update({name: "Scorer" for name, _, _ in prof.scorers})
+            points[prof.picker[0]] = "Picker"
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.pool.on_remove(lambda s: self.telemetry.forget(s.key))
         self.parser = BodyParser(cfg.parse_offload_bytes)
@@ -100,8 +112,10 @@ class PickerServer:
     async def _set_health(self, ready: bool) -> None:
         status = SERVING if ready else NOT_SERVING
         await _maybe_await(self.health.set("liveness", SERVING))
-        for svc in ("", "readiness", EXTPROC_SERVICE):
+        for svc in READINESS_SERVICES:
             await _maybe_await(self.health.set(svc, status))
+        synced = SERVING if self.pool.synced else NOT_SERVING
+        await _maybe_await(self.health.set(GIE_PROBE_SERVICE, synced))
 
     async def _watch_readiness(self) -> None:
         last: bool | None = None

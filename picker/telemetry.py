@@ -12,9 +12,17 @@ from picker.prefix.index import PrefixIndex
 _LAT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
+MAX_MODEL_LABELS = 256
+"""Distinct ``model_name`` label values kept on ``inference_objective_request_total``; later ones
+count as "other" (client-chosen names must not grow the registry without bound)."""
+
+
 class Telemetry:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, pool_name: str = "kvpick") -> None:
         r = self.registry = registry or CollectorRegistry()
+        self.pool_name = pool_name
+        self.extension_points: dict[str, str] = {}
+        """Plugin name → GIE extension point (Filter, Scorer, Picker), for the plugin histogram."""
         self.requests = Counter(
             "kvpick_requests", "Requests by decision and outcome", ["decision", "outcome"], registry=r
         )
@@ -25,10 +33,28 @@ class Telemetry:
             registry=r,
         )
         self.plugin = Histogram(
-            "inference_extension_scheduler_plugin_duration_seconds",
-            "Per-plugin processing latency",
-            ["plugin_type", "plugin_name"],
+            "inference_extension_plugin_duration_seconds",
+            "Plugin processing latency per extension point, plugin type and plugin name",
+            ["extension_point", "plugin_type", "plugin_name"],
             buckets=_LAT_BUCKETS,
+            registry=r,
+        )
+        self.objective_requests = Counter(
+            "inference_objective_request_total",
+            "Requests picked for, by model and target model",
+            ["model_name", "target_model_name"],
+            registry=r,
+        )
+        self.avg_kv = Gauge(
+            "inference_pool_average_kv_cache_utilization",
+            "Average KV-cache utilization (0-1) over the pool's routable endpoints",
+            ["name"],
+            registry=r,
+        )
+        self.avg_queue = Gauge(
+            "inference_pool_average_queue_size",
+            "Average waiting requests over the pool's routable endpoints",
+            ["name"],
             registry=r,
         )
         self.prefix_size = Gauge(
@@ -42,7 +68,9 @@ class Telemetry:
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
             registry=r,
         )
-        self.ready_pods = Gauge("inference_pool_ready_pods", "Routable endpoints in the pool", registry=r)
+        self.ready_pods = Gauge(
+            "inference_pool_ready_pods", "Routable endpoints in the pool", ["name"], registry=r
+        )
         self.in_flight = Gauge(
             "kvpick_endpoint_in_flight_requests", "In-flight requests", ["endpoint"], registry=r
         )
@@ -63,19 +91,32 @@ class Telemetry:
         )
 
     def plugin_timer(self, name: str, seconds: float) -> None:
-        self.plugin.labels("scheduler", name).observe(seconds)
+        self.plugin.labels(self.extension_points.get(name, "Plugin"), name, name).observe(seconds)
+
+    def count_request(self, model: str, target_model: str) -> None:
+        """One picked request (``inference_objective_request_total``), label values bounded."""
+        metrics = self.objective_requests._metrics
+        if (model, target_model) not in metrics and len(metrics) >= MAX_MODEL_LABELS:
+            model = target_model = "other"
+        self.objective_requests.labels(model, target_model).inc()
 
     def refresh(self, pool: Pool, index: PrefixIndex) -> None:
         """Update the gauges that mirror state (called on each metrics scrape of the picker)."""
         self.prefix_size.set(index.size())
         ready = 0
+        kv = queue = 0.0
         live = set()
         for s in pool:
-            ready += s.routable
+            if s.routable:
+                ready += 1
+                kv += s.metrics.kv_usage
+                queue += s.metrics.waiting
             live.add(s.key)
             self.in_flight.labels(s.key).set(s.load.in_flight_requests)
             self.in_flight_tokens.labels(s.key).set(s.load.in_flight_tokens)
-        self.ready_pods.set(ready)
+        self.ready_pods.labels(self.pool_name).set(ready)
+        self.avg_kv.labels(self.pool_name).set(kv / ready if ready else 0.0)
+        self.avg_queue.labels(self.pool_name).set(queue / ready if ready else 0.0)
         for gauge in (self.in_flight, self.in_flight_tokens):
             for labels in list(gauge._metrics):  # drop series of departed endpoints
                 if labels[0] not in live:

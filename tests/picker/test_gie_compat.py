@@ -78,7 +78,11 @@ def test_grpc_health_on_both_ports_and_metrics(envoy_stack: Stack) -> None:
     for name in (
         "inference_extension_scheduler_e2e_duration_seconds_bucket",
         "inference_extension_prefix_indexer_size",
-        "inference_pool_ready_pods 2.0",
+        'inference_pool_ready_pods{name="kvpick"} 2.0',
+        "inference_pool_average_kv_cache_utilization",
+        "inference_pool_average_queue_size",
+        "inference_objective_request_total",
+        "inference_extension_plugin_duration_seconds_bucket",
         "kvpick_requests_total",
         "kvpick_endpoint_in_flight_requests",
     ):
@@ -100,3 +104,30 @@ def test_explain_reports_scores_and_estimates(envoy_stack: Stack) -> None:
     assert eps[best]["ttft_estimate_s"] == min(e["ttft_estimate_s"] for e in eps.values())
     status, body = post_json(f"http://127.0.0.1:{envoy_stack.debug_port}/debug/explain", {"prompt": "x"})
     assert status == 400
+
+
+def test_gie_chart_args_start_the_picker_behind_envoy(tmp_path: pathlib.Path) -> None:
+    """The args GIE's EPP chart passes (and its EndpointPickerConfig) start the picker: each
+    flag it does not act on is logged once, and GIE's probe service answers SERVING."""
+    from tests.unit.test_cli import GIE_CHART_ARGS
+
+    gie_cfg = tmp_path / "default-plugins.yaml"
+    gie_cfg.write_text("apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n")
+    procs = Procs(tmp_path)
+    st = Stack(procs, [free_port(), free_port()])
+    try:
+        st.start_upstreams()
+        st.start_picker(*GIE_CHART_ARGS, "--config-file", str(gie_cfg), "--log-level", "info")
+        st.start_envoy()
+        deadline = time.monotonic() + 20
+        while post_json(st.url + "/v1/completions", {"model": "m", "prompt": "gie"})[0] != 200:
+            assert time.monotonic() < deadline, procs.log("picker")
+            time.sleep(0.2)
+        with grpc.insecure_channel(f"127.0.0.1:{st.health_port}") as ch:
+            assert _check(ch, "inference-extension") == health_pb2.HealthCheckResponse.SERVING
+        log = procs.log("picker")
+        for flag in ("--tracing", "--ha-enable-leader-election", "--zap-encoder", "--pool-group"):
+            assert log.count(f"GIE flag {flag}") == 1, (flag, log)
+        assert "EndpointPickerConfig" in log and "Traceback" not in log
+    finally:
+        procs.close()
