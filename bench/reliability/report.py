@@ -23,6 +23,17 @@ What `make test` runs (tests/reliability/):
   `x-envoy-*` headers (any case) neither move a request off the picker's choice, nor change its
   model, nor reach the replica; with fail-open and the picker killed they still choose nothing.
 - `test_faults.py`: each fault below once, with loose bounds.
+
+Found by these runs, and fixed:
+
+- A forged `x-gateway-destination-endpoint` with fail-open and the picker down got 503: the
+  header strip was an HTTP filter, which runs after Envoy has chosen the route, so the forged
+  header selected the ORIGINAL_DST route and then vanished. The strip is now an early header
+  mutation in the connection manager, before route selection.
+- Fail-open with response bodies `FULL_DUPLEX_STREAMED` cut most streams in flight when the picker
+  was killed (see the fault table); fail-open configs now render response body `NONE`.
+- The test upstream answered 500 to fuzzed `chunks`/`delay` fields and deep JSON; it no longer does
+  (a test double's bug, not the picker's, but it would have hidden real 5xx).
 """
 
 
