@@ -126,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     machine = f"{platform.machine()}, {os.cpu_count()} cores, shared with other engineers' work"
-    if a.what in ("fuzz", "all"):
-        results["fuzz"] = run_fuzz(a.cases, a.seed, a.concurrency, a.drawn_fraction) | {"machine": machine}
-        _save(results)
     if a.what in ("faults", "all"):
         results["faults"] = run_faults(a.repeats) | {"machine": machine}
+        _save(results)
+    if a.what in ("fuzz", "all"):
+        results["fuzz"] = run_fuzz(a.cases, a.seed, a.concurrency, a.drawn_fraction) | {"machine": machine}
         _save(results)
     if a.what in ("soak", "all"):
         results["soak"] = run_soak(a.minutes, a.load_fraction) | {"machine": machine}
