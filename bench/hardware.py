@@ -39,7 +39,7 @@ class Fleet:
 FLEETS = (
     Fleet("8 × H100, Llama-3.1-8B", ("h100-llama-3.1-8b",), 1.0),
     Fleet("8 × A100, Llama-3.1-70B (TP 4)", ("a100-llama-3.1-70b",), 4.0),
-    Fleet("8 × L4, Llama-3.1-8B", ("l4-llama-3.1-8b",), 8.0),
+    Fleet("8 × L4, Llama-3.1-8B", ("l4-llama-3.1-8b",), 16.0),
     Fleet("4 × H100 + 4 × A100, Llama-3.1-8B", ("h100-llama-3.1-8b", "a100-llama-3.1-8b"), 1.4),
 )
 OVERLOADED = Fleet(
