@@ -112,7 +112,9 @@ checks the prediction against a fresh measurement."""
 def profile(name: str) -> Profile:
     """``cpu-test`` or ``<gpu>-<model>``, e.g. ``h100-llama-3.1-8b``."""
     if name == "cpu-test":
-        return Profile(name, None, None, overhead_s=CPU_TEST[0], per_token_s=CPU_TEST[1], per_seq_s=CPU_TEST[2])
+        return Profile(
+            name, None, None, overhead_s=CPU_TEST[0], per_token_s=CPU_TEST[1], per_seq_s=CPU_TEST[2]
+        )
     gpu, _, model = name.partition("-")
     if gpu not in GPUS or model not in MODELS:
         known = ", ".join(f"{g}-{m}" for g in GPUS for m in MODELS)
