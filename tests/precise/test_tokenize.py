@@ -137,9 +137,9 @@ def test_prefix_cache_is_exact(tok_dir: pathlib.Path) -> None:
     rng = random.Random(7)
     base = " ".join(_corpus(300, seed=3))
     assert ours.cache is not None
-    for i in range(60):
+    for i in range(30):
         cut = rng.randrange(2500, len(base))
         tail = rng.choice(["  spaced  out ", "ünï ✓ code", "x", " the cache", "\n\nnew para", "12345"])
         text = base[:cut] + tail + " ".join(_corpus(3, seed=i))
         assert ours.encode({"prompt": text}, "/v1/completions") == raw.encode(text).ids, i
-    assert ours.cache.hits >= 50, "the shared prefix was reused"
+    assert ours.cache.hits >= 25, "the shared prefix was reused"

@@ -75,7 +75,7 @@ async def subscriber(port: int, replay: int) -> AsyncIterator[Subscriber]:
         ctx.term()
 
 
-async def quiet(sub: Subscriber, quiet_s: float = 0.4) -> None:
+async def quiet(sub: Subscriber, quiet_s: float = 0.2) -> None:
     """Wait until no KV-event batch arrives for ``quiet_s``."""
     last = sub.sync.expected
     while True:
