@@ -20,6 +20,7 @@ When the client sent no ``x-request-id``, the one generated for it is set on the
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -351,16 +352,30 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """Pre-bound counter children: one ``inc`` per message, no label lookup."""
 
     async def _offload(self, ex: Exchange, msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
-        """A large body's last chunk: buffer it, parse the whole body in the worker, and hand the
-        exchange an empty end-of-stream chunk to finish on. Other messages pass unchanged."""
-        if self.parser is None or msg.WhichOneof("request") != "request_body" or ex.picked:
+        """A body's last chunk, when work must leave the event loop: a large body is parsed in
+        the worker process; with a tokenizer (precise mode) the prompt is tokenized in a thread
+        (HF ``tokenizers`` releases the GIL). The chunk is buffered and the exchange finishes on
+        an empty end-of-stream chunk. Other messages pass unchanged."""
+        if msg.WhichOneof("request") != "request_body" or ex.picked:
             return msg
         chunk = msg.request_body
-        if not chunk.end_of_stream or not self.parser.offloads(ex.size + len(chunk.body)):
+        size = ex.size + len(chunk.body)
+        offload = self.parser is not None and self.parser.offloads(size)
+        tokenize = self.router.tokenizer is not None and size > 0
+        if not chunk.end_of_stream or not (offload or tokenize):
             return msg
         ex.absorb(chunk)
         path = ex.headers.get(":path", "")
-        ex.parsed = await self.parser.parse(ex.chunks, path, ex.headers, self.router.parse_options)
+        if offload:
+            assert self.parser is not None, "offload without a parser"
+            ex.parsed = await self.parser.parse(ex.chunks, path, ex.headers, self.router.parse_options)
+        else:
+            body = ex.chunks[0] if len(ex.chunks) == 1 else b"".join(ex.chunks)
+            ex.parsed = request_mod.parse_and_rewrite(body, path, ex.headers, self.router.parse_options)
+        req, new_body, doc = ex.parsed
+        if tokenize and doc is not None:
+            req = await asyncio.to_thread(self.router.tokenize, req, doc, path)
+            ex.parsed = (req, new_body, doc)
         return pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True))
 
     async def Process(

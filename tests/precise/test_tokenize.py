@@ -143,3 +143,68 @@ def test_prefix_cache_is_exact(tok_dir: pathlib.Path) -> None:
         text = base[:cut] + tail + " ".join(_corpus(3, seed=i))
         assert ours.encode({"prompt": text}, "/v1/completions") == raw.encode(text).ids, i
     assert ours.cache.hits >= 25, "the shared prefix was reused"
+
+
+async def test_ext_proc_tokenizes_off_the_event_loop(tok_dir: pathlib.Path) -> None:
+    """Through the ext_proc service: a chat body is tokenized (in a worker thread) and routed on
+    its KV-block keys; the pick leaves a speculative entry keyed by exactly those tokens."""
+    import asyncio
+
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from picker.config import PrefixConfig, RouterConfig
+    from picker.endpoints.pool import Pool
+    from picker.endpoints.types import Endpoint
+    from picker.extproc import ExtProcService
+    from picker.prefix.events import State, Sync
+    from picker.prefix.precise import request_keys
+    from picker.router import Router
+
+    pool = Pool()
+    pool.set_endpoints([Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)])
+    cfg = RouterConfig(prefix=PrefixConfig(mode="precise", block_size=16, tokenizer=str(tok_dir)))
+    router = Router(cfg, pool)
+    for s in pool:
+        router.syncs[s.key] = Sync(State.SYNCED, expected=0)
+    doc = {"model": "m", "messages": MESSAGES[:2]}
+    hs = [
+        base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions"),
+        base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+    ]
+    msgs = [
+        pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs))),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=json.dumps(doc).encode(), end_of_stream=True)),
+    ]
+
+    async def stream() -> Any:
+        for m in msgs:
+            yield m
+
+    threads: list[str] = []
+    encode = router.tokenize
+
+    def spy(*a: Any) -> Any:
+        import threading
+
+        threads.append(threading.current_thread().name)
+        return encode(*a)
+
+    router.tokenize = spy  # type: ignore[method-assign]
+    out = [r async for r in ExtProcService(router).Process(stream(), None)]
+    assert out and threads and threads[0] != "MainThread", "tokenized in a worker thread"
+    chosen = next(
+        h.header.raw_value.decode()
+        for r in out
+        if r.HasField("request_headers")
+        for h in r.request_headers.response.header_mutation.set_headers
+        if h.header.key == "x-gateway-destination-endpoint"
+    )
+    ids = load(str(tok_dir)).encode(doc, "/v1/chat/completions")
+    assert ids is not None
+    keys = request_keys(ids, 16)
+    assert keys and router.precise is not None
+    assert router.precise.match_many([chosen], keys, 0.0)[chosen] == len(keys), (
+        "speculative entry = our tokens"
+    )
+    await asyncio.sleep(0)
