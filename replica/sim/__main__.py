@@ -35,7 +35,10 @@ def parser() -> argparse.ArgumentParser:
         "--page-aligned-prefill", action="store_true", help="non-final prefill chunks end on a block"
     )
     p.add_argument(
-        "--cache-aware-admission", action="store_true", help="longest cached prefix first, within --aging-s"
+        "--cache-aware-admission",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="longest cached prefix first, within --aging-s (on, as the chart's vLLM replicas)",
     )
     p.add_argument("--aging-s", type=float, default=2.0)
     p.add_argument(
