@@ -33,13 +33,15 @@ the batch sizes it saw), shrunk toward 1 in log space::
     f_used = f ** (n / (n + prior_scrapes))
 
 where ``n`` is the number of the endpoint's scrape deltas with that kind of work in them. With
-``n`` well below ``prior_scrapes`` (8 by default) an endpoint is "too few": its handful of
-deltas cover a few requests each, and a request's prefill time depends on what happened to be
-batched with it (a decode-heavy batch, another prefill's chunk), so a single delta is off by
-tens of percent. A pooled value scaled by a factor near 1 is what the estimator then trusts;
-at ``n = 8`` the factor counts half, at 32 four fifths. A factor within ``factor_dead_band``
-(15%) of 1 counts as 1. This is what lets a mixed pool (an H100
-beside an A100, a replica with a noisy neighbour) get per-endpoint speeds without the noise of
+``n`` well below ``prior_scrapes`` (32 by default) an endpoint is "too few": its deltas cover a
+few requests each, and a request's prefill time depends on what happened to be batched with it
+(a decode-heavy batch, another prefill's chunk, a cached context to attend to), so one delta is
+off by tens of percent, and on a shared CPU by more. At ``n = 32`` the factor counts half, at
+128 four fifths; a factor within ``factor_dead_band`` (30%) of 1 counts as 1. (On two real
+vLLM-CPU replicas of one model, bench/results/real.md, cold traffic still went mostly to one
+of them with these defaults, as with a prior of 8 and a 15% band; there even least-loaded
+and vllm-router split the control 16 / 48, so those replicas were not equally fast.) This is
+what lets a mixed pool (an H100 beside an A100, a replica with a noisy neighbour) get per-endpoint speeds without the noise of
 per-endpoint estimates on identical replicas that made the old ``per_endpoint_rate`` chase
 endpoints away from their caches (cluster mode, 64 H100s: hit rate 0.64 → 0.42). Sums decay by
 ``1 - 1 / window`` per delta, so the model follows a replica that slows down.
