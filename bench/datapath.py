@@ -42,6 +42,8 @@ from replica.sim.stack import ENVOY, PY, ROOT, Children, wait_port
 from .fleet import free_port, http
 
 PEERS = ("vllm-router", "sglang-router")
+STREAM_EVENTS = 256
+"""Events per streamed response (``bench.upstream``'s default ``--chunks``)."""
 _VENV_BIN = pathlib.Path(PY).parent
 _TICK = os.sysconf("SC_CLK_TCK")
 WRK_MISSING = (
@@ -194,6 +196,20 @@ def _wait_routable(t: Target, children: Children, timeout: float = 60.0) -> None
     raise RuntimeError(f"{t.url} never answered 200")
 
 
+def check_answer(name: str, t: Target, case: Case) -> None:
+    """One request of ``case`` through ``t`` gets what the upstream sends: the whole SSE stream
+    (every event, then [DONE]) for a streaming case, the JSON completion otherwise."""
+    status, got = http("POST", t.url + "/v1/chat/completions", make_body(case.body_bytes, case.stream))
+    assert status == 200, f"{name}: {status} {got[:200]!r}"
+    if case.stream:
+        events = got.count(b"data: ")
+        assert events == STREAM_EVENTS + 1 and got.endswith(b"data: [DONE]\n\n"), (
+            f"{name}: {events} SSE events, not {STREAM_EVENTS} and [DONE]: {got[:200]!r}"
+        )
+    else:
+        assert got.startswith(b'{"id":"cmpl-bench"'), f"{name}: {got[:200]!r}"
+
+
 @contextmanager
 def stack(
     routers: list[str], variants: dict[str, tuple[list[str], list[str]]], run_dir: pathlib.Path
@@ -334,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases:
             body_file = pathlib.Path(tmp) / f"{case.name}.json"
             body_file.write_bytes(make_body(case.body_bytes, case.stream))
-            for t in targets.values():
+            for name, t in targets.items():
+                check_answer(name, t, case)
                 wrk(t.url, case, body_file, lua, a.warmup)
             for rep in range(a.repeats):
                 for name, t in targets.items():

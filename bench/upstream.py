@@ -3,9 +3,9 @@
     python -m bench.upstream --ports 8001,8002 [--chunks 256]
 
 Every ``POST /v1/*`` is answered without parsing its body: a fixed small JSON completion, or,
-when the body starts with ``{"stream":true`` (what ``bench.datapath`` sends for its streaming
-case; a prefix check, so the upstream's cost does not grow with the body), an SSE stream of
-``--chunks`` events, one token each, then ``data: [DONE]``. ``GET /health`` and ``GET /metrics``
+when the body holds ``"stream":true`` (or ``"stream": true``: routers that re-serialize the body
+move and respace it), an SSE stream of ``--chunks`` events, one token each, then
+``data: [DONE]``. ``GET /health`` and ``GET /metrics``
 (idle vLLM 0.32 gauges and ``vllm:cache_config_info``) let the picker and the peer routers treat
 it as a model server. The point is a replica that costs as little CPU as possible, so that what a
 run measures is the router.
@@ -19,7 +19,7 @@ import socket
 
 from aiohttp import web
 
-STREAM_PREFIX = b'{"stream":true'
+STREAM_MARKS = (b'"stream":true', b'"stream": true')
 COMPLETION = (
     b'{"id":"cmpl-bench","object":"text_completion","model":"m","choices":[{"index":0,"text":"ok",'
     b'"finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}'
@@ -40,7 +40,7 @@ METRICS = (
 def make_app(chunks: int) -> web.Application:
     async def completions(req: web.Request) -> web.StreamResponse:
         body = await req.read()
-        if not body.startswith(STREAM_PREFIX):
+        if not any(mark in body for mark in STREAM_MARKS):
             return web.Response(body=COMPLETION, content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(req)
