@@ -107,6 +107,9 @@ class Run:
     cpu_ms_per_req: float
     """The router process's CPU (the picker's for kvpick), ms per completed request."""
     envoy_cpu_ms_per_req: float = 0.0
+    net_cpu_ms_per_req: float = 0.0
+    """``cpu_ms_per_req`` less what the router burns idle over the run's wall time (the picker
+    scrapes and health-checks its endpoints every 0.2 s): the cost the requests added."""
 
 
 def make_body(size: int, stream: bool, seed: int = 0) -> bytes:
@@ -247,18 +250,30 @@ def wrk(url: str, case: Case, body_file: pathlib.Path, lua: pathlib.Path, durati
     return result
 
 
+def idle_rates(targets: dict[str, Target], seconds: float) -> dict[str, float]:
+    """Each router's CPU seconds per second with no traffic, sampled together over ``seconds``."""
+    before = {k: cpu_seconds(t.pid) for k, t in targets.items() if t.pid}
+    start = time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - start
+    return {k: (cpu_seconds(targets[k].pid or 0) - v) / elapsed for k, v in before.items()}
+
+
 def measure(
     case: Case,
     router: str,
     t: Target,
     repeat: int,
-    body_file: pathlib.Path,
-    lua: pathlib.Path,
+    files: tuple[pathlib.Path, pathlib.Path],
     duration: float,
+    idle: float,
 ) -> Run:
+    body_file, lua = files
     cpu0 = cpu_seconds(t.pid) if t.pid else 0.0
     env0 = cpu_seconds(t.envoy_pid) if t.envoy_pid else 0.0
+    start = time.monotonic()
     r = wrk(t.url, case, body_file, lua, duration)
+    wall = time.monotonic() - start
     cpu = (cpu_seconds(t.pid) - cpu0) if t.pid else 0.0
     env = (cpu_seconds(t.envoy_pid) - env0) if t.envoy_pid else 0.0
     n = max(1, r["requests"])
@@ -273,6 +288,7 @@ def measure(
         r["errors"] + r["status_errors"],
         cpu * 1e3 / n,
         env * 1e3 / n,
+        max(0.0, cpu - idle * wall) * 1e3 / n,
     )
 
 
@@ -285,8 +301,9 @@ def _fmt(values: list[float], digits: int) -> str:
 
 def table(runs: list[Run], cases: list[str], routers: list[str]) -> str:
     lines = [
-        "| case | router | req/s | p50 ms | p99 ms | router CPU ms/req | Envoy CPU ms/req | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | router | req/s | p50 ms | p99 ms | router CPU ms/req | same, idle subtracted "
+        "| Envoy CPU ms/req | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cases:
         for r in routers:
@@ -294,10 +311,11 @@ def table(runs: list[Run], cases: list[str], routers: list[str]) -> str:
             if not rs:
                 continue
             cpu = _fmt([x.cpu_ms_per_req for x in rs], 3) if r != "direct" else "–"
+            net = _fmt([x.net_cpu_ms_per_req for x in rs], 3) if r != "direct" else "–"
             env = _fmt([x.envoy_cpu_ms_per_req for x in rs], 3) if rs[0].envoy_cpu_ms_per_req else "–"
             lines.append(
                 f"| {c} | {r} | {_fmt([x.rps for x in rs], 0)} | {_fmt([x.p50_ms for x in rs], 2)} | "
-                f"{_fmt([x.p99_ms for x in rs], 2)} | {cpu} | {env} | {sum(x.errors for x in rs)} |"
+                f"{_fmt([x.p99_ms for x in rs], 2)} | {cpu} | {net} | {env} | {sum(x.errors for x in rs)} |"
             )
     return "\n".join(lines)
 
@@ -319,6 +337,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "plain='--plaintext | --secure-serving false' (then list NAME in --routers)",
     )
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--idle", type=float, default=5.0, help="seconds of no traffic to measure idle CPU")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per wrk run")
     p.add_argument(
         "--warmup", type=float, default=1.0, help="seconds of wrk per router and case, not counted"
@@ -347,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, stack(routers, variants, run_dir) as targets:
         lua = pathlib.Path(tmp) / "post.lua"
         lua.write_text(LUA)
+        idle = idle_rates(targets, a.idle)
         for case in cases:
             body_file = pathlib.Path(tmp) / f"{case.name}.json"
             body_file.write_bytes(make_body(case.body_bytes, case.stream))
@@ -355,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                 wrk(t.url, case, body_file, lua, a.warmup)
             for rep in range(a.repeats):
                 for name, t in targets.items():
-                    run = measure(case, name, t, rep, body_file, lua, a.duration)
+                    run = measure(case, name, t, rep, (body_file, lua), a.duration, idle.get(name, 0.0))
                     runs.append(run)
                     print(
                         f"{case.name:14} {name:14} #{rep}: {run.rps:8.0f} req/s  p50 {run.p50_ms:7.2f} ms  "
@@ -364,11 +384,14 @@ def main(argv: list[str] | None = None) -> int:
                     )
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "datapath.json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    (out / "datapath.json").write_text(
+        json.dumps({"idle_cpu_s_per_s": idle, "runs": [asdict(r) for r in runs]}, indent=1)
+    )
     cmd = "python -m bench.datapath " + " ".join(
         shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])
     )
     md = table(runs, [c.name for c in cases], routers)
+    md += "\n\nIdle CPU (no traffic, ms per s): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in idle.items())
     (out / "datapath.md").write_text(
         f"# Data path: router CPU per request\n\n`{cmd}` — {a.repeats} repeats of {a.duration:.0f} s each, "
         f"medians (min–max).\n\n{md}\n"
