@@ -366,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, stack(routers, variants, run_dir) as targets:
         lua = pathlib.Path(tmp) / "post.lua"
         lua.write_text(LUA)
+        time.sleep(3.0)  # let start-up work (worker spawns, first scrapes) finish
         idle = idle_rates(targets, a.idle)
         for case in cases:
             body_file = pathlib.Path(tmp) / f"{case.name}.json"
