@@ -64,7 +64,10 @@ def summarize(pattern: str) -> dict[str, list[dict[str, float]]]:
         assert m is not None, f"{path}: expected <prefix>-<option>_s<seed>.json"
         with open(path, encoding="utf-8") as fh:
             runs.setdefault(m.group(1), []).extend(json.load(fh))
-    return runs
+    order = list(OPTIONS)
+    return dict(
+        sorted(runs.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0]))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
