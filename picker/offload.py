@@ -1,7 +1,8 @@
 """Parsing of large request bodies off the event loop, in a worker process.
 
-orjson holds the GIL while it decodes, so a thread would stall the loop just the same: an 8 MiB
-body costs about 40-70 ms of parsing here (``python -m bench.parse_stall`` measures it). Bodies
+orjson holds the GIL while it decodes, so a thread would stall the loop just the same. What a
+large body costs the other requests, offloaded and inline side by side, is measured by
+``python -m bench.parse_stall`` (figures in bench/results/parse_stall.md). Bodies
 of at least ``threshold`` bytes go to one spawned worker process (spawned, not forked: the
 picker's gRPC threads must not be forked); smaller ones, and every body when the worker is
 broken, are parsed inline. What comes back is small: the request with its routing text already
