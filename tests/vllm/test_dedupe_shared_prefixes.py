@@ -103,3 +103,19 @@ def test_dedupe_computes_a_shared_prefix_once(tiny_model_dir: pathlib.Path) -> N
     once = 256 + 4 * 16
     assert ours == once, f"the prefix is computed once: {ours} prompt tokens computed, expected {once}"
     assert vllm > once, f"vLLM alone recomputes shared blocks ({vllm}), or the test proves nothing"
+
+
+def test_dedupe_without_a_cap_says_it_does_nothing(
+    tiny_model_dir: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from replica.vllm.options import PrefixAwareOptions
+    from replica.vllm.scheduler import PrefixAwareScheduler
+
+    dedupe = PrefixAwareOptions(dedupe_shared_prefixes=True)
+    with caplog.at_level("WARNING", logger="replica.vllm.scheduler"):
+        make_scheduler(tiny_model_dir, 200, 512, cls=PrefixAwareScheduler, options=dedupe)
+    assert "no effect without --long-prefill-token-threshold" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="replica.vllm.scheduler"):
+        make_scheduler(tiny_model_dir, 200, 512, cls=PrefixAwareScheduler, long_prefill=64, options=dedupe)
+    assert "no effect" not in caplog.text, "with the cap the gate is live: no warning"
