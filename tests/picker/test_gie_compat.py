@@ -91,6 +91,9 @@ def test_grpc_health_on_both_ports_and_metrics(envoy_stack: Stack) -> None:
 
 def test_explain_reports_scores_and_estimates(envoy_stack: Stack) -> None:
     post_json(envoy_stack.url + "/v1/completions", {"model": "m", "prompt": DOC})
+    # Response bodies bypass the picker: the request ends when Envoy closes its ext_proc stream,
+    # just after the client has the answer. Explain must not see it still in flight.
+    envoy_stack.wait_in_flight_zero()
     status, body = post_json(
         f"http://127.0.0.1:{envoy_stack.debug_port}/debug/explain?path=/v1/completions",
         {"model": "m", "prompt": DOC + " more"},
