@@ -120,6 +120,19 @@ def _faults(f: dict[str, Any]) -> list[str]:
         "fail-close); picker faults use deploy/envoy/envoy.yaml (fail-close) or envoy-failopen.yaml",
         "(fail-open). Each figure: median [min–max] over the runs.",
         "",
+        "Reading them: a SIGKILLed replica refuses connections at once; with ORIGINAL_DST every",
+        "request the picker sends there fails until three refused scrapes (0.2 s apart) take it out,",
+        "about 0.55 s here (the closed-loop clients retry instantly, hence many failures in that",
+        "window; `envoy-fallback.yaml`'s override_host retries them on the next host instead). A",
+        "frozen (SIGSTOP) replica keeps its in-flight streams stalled until SIGCONT, failing none;",
+        "the picker sends it nothing new once its stuck streams make it the costliest choice. A",
+        "killed picker: fail-close rejects everything until it is back (Envoy's 500), fail-open",
+        "serves everything through the fallback route and, with response body NONE, cuts no stream",
+        "in flight; with FULL_DUPLEX_STREAMED response bodies it cuts the streams the picker was",
+        "passing. A SIGTERMed picker drains: no stream is cut and it exits once the last one ends.",
+        "A fresh request sent to a draining picker may be refused (500 through fail-close Envoy):",
+        "in Kubernetes the chart's preStop sleep keeps the gateway's new streams away first.",
+        "",
     ]
     for name, sc in f["scenarios"].items():
         n = len(sc["runs"])
