@@ -233,6 +233,10 @@ def start_picker(stack: Stack, endpoints: list[str]) -> str:
         "--config-file=/etc/kvpick/config.yaml",
         f"--secure-serving={str(values['picker']['secureServing']).lower()}",
         "--log-level=info",
+        # The chart's `fallbacks: 2` lists fallbacks in x-gateway-destination-endpoint, which only an
+        # override_host gateway reads; render.py's ORIGINAL_DST config takes one address and answers
+        # 503 to a list ("No downstream connection or no original_dst"). One destination here.
+        "--fallbacks=0",
     ]
     opts = ("-v", f"{config}:/etc/kvpick/config.yaml:ro")
     return stack.run("picker", "picker", *args, opts=opts, read_only=True)

@@ -73,7 +73,10 @@ helm upgrade --install "$RELEASE" charts/kvpick -n "$NAMESPACE" --wait --timeout
   --set picker.image.repository=$REGISTRY/picker --set picker.image.tag=$TAG --set picker.image.pullPolicy=Never \
   --set simulator.enabled=true --set simulator.replicas=3 \
   --set simulator.image.repository=$REGISTRY/sim --set simulator.image.tag=$TAG --set simulator.image.pullPolicy=Never \
-  --set picker.resources.requests.cpu=100m --set picker.resources.requests.memory=128Mi
+  --set picker.resources.requests.cpu=100m --set picker.resources.requests.memory=128Mi \
+  --set picker.config.fallbacks=0
+# fallbacks=0: the gateway below is render.py's ORIGINAL_DST Envoy, which routes on one address;
+# the chart's default (2) lists fallbacks in the header, for override_host gateways only.
 "$PYTHON" deploy/kind/envoy_manifest.py --namespace "$NAMESPACE" --image "$ENVOY_IMAGE" \
   --picker "$RELEASE-picker.$NAMESPACE.svc.cluster.local:9002" | kubectl apply -f -
 kubectl -n "$NAMESPACE" rollout status deploy/kvpick-envoy --timeout 180s
