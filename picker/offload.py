@@ -12,8 +12,12 @@ cut to what the hasher reads, and the rewritten body only when a trusted rewrite
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import multiprocessing
+import os
+import signal
+import sys
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -38,7 +42,9 @@ class BodyParser:
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
             ctx = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx)
+            self._pool = ProcessPoolExecutor(
+                self.workers, mp_context=ctx, initializer=_die_with_parent, initargs=(os.getpid(),)
+            )
         return self._pool
 
     def start(self) -> None:
@@ -77,6 +83,20 @@ def _parse_chunks(
 ) -> Parsed:
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     return parse_and_rewrite(body, path, headers, opts)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """Runs first in the worker: it dies with the picker however the picker ends. A SIGKILLed
+    picker (OOM kill, ``kill -9``) otherwise leaves the worker, and spawn's resource tracker
+    whose pipe the worker holds, running for ever. The pool spawns from the event loop's thread,
+    which lives as long as the picker, so the death signal fires only when the picker exits."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the picker died before the death signal was armed
+        os._exit(0)
 
 
 def _warm() -> None:

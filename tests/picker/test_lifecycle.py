@@ -69,3 +69,48 @@ def test_empty_pool_is_ready_and_answers_503(tmp_path: pathlib.Path) -> None:
         assert status == 503 and body["error"]["type"] == "no_endpoints", body
     finally:
         procs.close()
+
+
+def _children(pid: int) -> set[int]:
+    """Live processes whose parent is ``pid`` (from /proc)."""
+    out = set()
+    for d in pathlib.Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.add(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_a_sigkilled_picker_leaves_no_parse_worker_behind(tmp_path: pathlib.Path) -> None:
+    """The body-parsing worker (and spawn's resource tracker) die with the picker, even when
+    the picker is killed with no chance to clean up."""
+    procs = Procs(tmp_path)
+    st = Stack(procs, upstreams=[free_port()])
+    try:
+        st.start_picker()
+        picker = next(p for n, p in procs.procs if n == "picker")
+        deadline = time.monotonic() + 30
+        while len(kids := _children(picker.pid)) < 2:  # the parse worker and the resource tracker
+            assert time.monotonic() < deadline, f"the picker started {kids}, not its parse worker"
+            time.sleep(0.1)
+        picker.send_signal(signal.SIGKILL)
+        picker.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while left := [k for k in kids if _alive(k)]:
+            assert time.monotonic() < deadline, f"processes outlived the SIGKILLed picker: {left}"
+            time.sleep(0.1)
+    finally:
+        procs.close()
