@@ -71,6 +71,21 @@ def _loras(value: str) -> frozenset[str]:
     return frozenset(x for x in value.split(",") if x)
 
 
+SUMMED = {
+    "vllm:prefix_cache_queries_total": "prefix_queries_total",
+    "vllm:prefix_cache_hits_total": "prefix_hits_total",
+    "vllm:request_success_total": "request_success_total",
+    "vllm:prompt_tokens_total": "prompt_tokens_total",
+    "vllm:request_prefill_time_seconds_sum": "prefill_seconds_sum",
+    "vllm:request_prefill_time_seconds_count": "prefill_count",
+    "vllm:request_prefill_kv_computed_tokens_sum": "prefill_computed_tokens_sum",
+    "vllm:inter_token_latency_seconds_sum": "itl_seconds_sum",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
+}
+"""vLLM counter and histogram samples summed over their label sets (engines, models, reasons)
+into the :class:`EndpointMetrics` field named here."""
+
+
 def parse_metrics(text: str, now: float = 0.0) -> EndpointMetrics:
     """vLLM ``/metrics`` text → :class:`EndpointMetrics`. Sums over engines (DP ranks).
 
@@ -98,24 +113,8 @@ def parse_metrics(text: str, now: float = 0.0) -> EndpointMetrics:
                 m.waiting_loras = _loras(s.labels.get("waiting_lora_adapters", ""))
                 ml = s.labels.get("max_lora", "0")
                 m.max_lora = int(ml) if ml.isdigit() else 0
-            elif name == "vllm:prefix_cache_queries_total":
-                m.prefix_queries_total += s.value
-            elif name == "vllm:prefix_cache_hits_total":
-                m.prefix_hits_total += s.value
-            elif name == "vllm:request_success_total":
-                m.request_success_total += s.value
-            elif name == "vllm:prompt_tokens_total":
-                m.prompt_tokens_total += s.value
-            elif name == "vllm:request_prefill_time_seconds_sum":
-                m.prefill_seconds_sum += s.value
-            elif name == "vllm:request_prefill_time_seconds_count":
-                m.prefill_count += s.value
-            elif name == "vllm:request_prefill_kv_computed_tokens_sum":
-                m.prefill_computed_tokens_sum += s.value
-            elif name == "vllm:inter_token_latency_seconds_sum":
-                m.itl_seconds_sum += s.value
-            elif name == "vllm:inter_token_latency_seconds_count":
-                m.itl_count += s.value
+            elif (summed := SUMMED.get(name)) is not None:
+                setattr(m, summed, getattr(m, summed) + s.value)
             elif name in PROGRESS:
                 m.progress_total = max(m.progress_total, 0.0) + s.value
     if kv:
