@@ -201,8 +201,11 @@ def test_make_run_serves_through_envoy_and_stops_cleanly() -> None:
         start_new_session=True,
     )
     groups: dict[int, int] = {}
+    head = b""
     try:
-        wait_port(ports["port"], timeout=90, proc=proc)
+        # The banner is the stack's "ready" (it prints after every port is open); a request can
+        # succeed through Envoy before that, and a Ctrl-C then would read as one during startup.
+        head = _read_until(proc, b"Ctrl-C stops everything", 90)
         groups = _child_groups(proc.pid, 4)
         assert len(groups) == 4, f"2 replicas, the picker and Envoy, each in its own group: {groups}"
         deadline = time.monotonic() + 30
@@ -218,7 +221,7 @@ def test_make_run_serves_through_envoy_and_stops_cleanly() -> None:
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals make's whole group
         out, _ = proc.communicate(timeout=30)
-    text = out.decode()
+    text = (head + out).decode()
     # Ctrl-C reaches make too, which then reports the interrupt itself; the stack must have stopped.
     assert proc.returncode in (0, -signal.SIGINT, 2, 130), text
     assert "curl -s http://127.0.0.1:" in text and "stopped" in text
