@@ -12,8 +12,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from picker.endpoints.types import EndpointMetrics
-from picker.scrape import parse_metrics
+from picker.core.endpoints.types import EndpointMetrics
+from picker.core.scrape import parse_metrics
 from replica.sim.stack import PY, Children, wait_port
 
 

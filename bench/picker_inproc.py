@@ -19,13 +19,13 @@ import time
 import tracemalloc
 from dataclasses import dataclass
 
-from picker.config import RouterConfig
-from picker.endpoints.pool import Pool
-from picker.endpoints.types import Endpoint
-from picker.prefix.hashing import MASK60, HashConfig, block_hashes, seed_for
-from picker.prefix.index import PrefixIndex
-from picker.request import InferenceRequest
-from picker.router import Router
+from picker.core.config import RouterConfig
+from picker.core.endpoints.pool import Pool
+from picker.core.endpoints.types import Endpoint
+from picker.core.prefix.hashing import MASK60, HashConfig, block_hashes, seed_for
+from picker.core.prefix.index import PrefixIndex
+from picker.core.request import InferenceRequest
+from picker.core.router import Router
 
 WORDS = [f"w{i:x}" for i in range(4096)]
 

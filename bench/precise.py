@@ -28,13 +28,13 @@ import tracemalloc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from picker.config import PrefixConfig, RouterConfig
-from picker.endpoints.pool import Pool
-from picker.endpoints.types import Endpoint
-from picker.prefix.events import State, Sync
-from picker.prefix.precise import PreciseIndex, request_keys
-from picker.request import InferenceRequest
-from picker.router import Router
+from picker.core.config import PrefixConfig, RouterConfig
+from picker.core.endpoints.pool import Pool
+from picker.core.endpoints.types import Endpoint
+from picker.core.prefix.events import State, Sync
+from picker.core.prefix.precise import PreciseIndex, request_keys
+from picker.core.request import InferenceRequest
+from picker.core.router import Router
 
 BS = 16
 ENDPOINTS = 96
@@ -155,7 +155,7 @@ def _tokenizer_dir(tmp: str) -> str:
 def tokenization(iters: int, target_tokens: int = 32_768, seed: int = 1) -> list[Timing]:
     import tempfile
 
-    from picker.tokenize import load
+    from picker.core.tokenize import load
 
     with tempfile.TemporaryDirectory() as tmp:
         path = _tokenizer_dir(tmp)

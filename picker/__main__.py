@@ -17,13 +17,13 @@ from typing import Any
 
 import yaml
 
-from picker import config as config_mod
-from picker import gie_flags, workers
-from picker.endpoints.static import FileProvider, StaticProvider, parse_list
-from picker.endpoints.types import EndpointProvider
-from picker.extproc import BUFFERED, FULL_DUPLEX
-from picker.server import PickerServer, ServerOptions
-from picker.workers import WORKER_FLAG
+from picker.core import config as config_mod
+from picker.core.endpoints.static import FileProvider, StaticProvider, parse_list
+from picker.core.endpoints.types import EndpointProvider
+from picker.serving import gie_flags, workers
+from picker.serving.extproc import BUFFERED, FULL_DUPLEX
+from picker.serving.server import PickerServer, ServerOptions
+from picker.serving.workers import WORKER_FLAG
 
 
 def _bool(v: str) -> bool:
@@ -283,7 +283,7 @@ def build_provider(args: argparse.Namespace) -> EndpointProvider:
     if args.endpoints_file:
         return FileProvider(args.endpoints_file)
     if args.pool_name or args.endpoint_selector:
-        from picker.endpoints.kube import KubeProvider  # imported lazily: only cluster mode needs it
+        from picker.core.endpoints.kube import KubeProvider  # imported lazily: only cluster mode needs it
 
         provider: EndpointProvider = KubeProvider.from_flags(
             pool_name=args.pool_name,

@@ -1,5 +1,5 @@
 """``python -m replica.sim.cluster``: N simulated replicas in one process, in discrete-event time,
-routed by the picker's own scheduling code (``picker.router.Router``, imported as a library).
+routed by the picker's own scheduling code (``picker.core.router.Router``, imported as a library).
 
     python -m replica.sim.cluster --trace ../shared/workloads/mooncake_synthetic_trace.jsonl \\
         --replicas 64 --policy cost [--json OUT]
@@ -12,7 +12,7 @@ scraper does. No sleeps: a simulated hour runs in seconds.
 ``--prefix-mode precise`` (or ``auto``) feeds the picker's precise index from the engines' own KV
 events, delivered ``--event-delay-s`` after the engine step that produced them. They travel the
 real path: vLLM's wire encoding (``replica.sim.kv_events``), msgpack, the picker's decoder
-(``picker.prefix.events``). Requests then carry their token ids, as a tokenizing picker sees them.
+(``picker.core.prefix.events``). Requests then carry their token ids, as a tokenizing picker sees them.
 
 Next to the measured hit rate it reports the two ceilings of DESIGN §6, on the same token blocks
 the engines cache (``replica.sim.ceilings``, over the requests sent, in send order): the infinite
@@ -36,14 +36,14 @@ from typing import Any
 
 import msgpack
 
-from picker.accounting import Ticket
-from picker.config import RouterConfig, load_file
-from picker.endpoints.pool import Pool
-from picker.endpoints.types import Endpoint, EndpointMetrics, Health
-from picker.errors import PickerError
-from picker.prefix import events as kv_events_in
-from picker.request import InferenceRequest
-from picker.router import Router
+from picker.core.accounting import Ticket
+from picker.core.config import RouterConfig, load_file
+from picker.core.endpoints.pool import Pool
+from picker.core.endpoints.types import Endpoint, EndpointMetrics, Health
+from picker.core.errors import PickerError
+from picker.core.prefix import events as kv_events_in
+from picker.core.request import InferenceRequest
+from picker.core.router import Router
 
 from . import ceilings, kv_events, trace
 from .blocks import Event

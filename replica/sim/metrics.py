@@ -6,7 +6,7 @@
   ``vllm:num_preemptions``, ``vllm:prompt_tokens``, ``vllm:generation_tokens``, all labelled
   ``model_name`` and ``engine`` (``"0"``); ``vllm:request_success`` adds ``finished_reason``;
 - histogram ``vllm:time_to_first_token_seconds`` with vLLM's buckets;
-- the load model's inputs (``picker.calibration``), from :class:`~.stats.EngineStats` with vLLM's
+- the load model's inputs (``picker.core.calibration``), from :class:`~.stats.EngineStats` with vLLM's
   semantics: counters ``vllm:prompt_tokens_by_source{source}`` (``local_compute``,
   ``local_cache_hit``, ``external_kv_transfer``), histograms ``vllm:inter_token_latency_seconds``,
   ``vllm:iteration_tokens_total``, ``vllm:request_{queue,prefill,decode}_time_seconds`` and

@@ -26,7 +26,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from picker.scrape import parse_metrics
+from picker.core.scrape import parse_metrics
 
 from .__main__ import parser as sim_parser
 from .costmodel import profile

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from bench import mktrace
-from picker.config import load_file
+from picker.core.config import load_file
 from replica.sim import cluster, trace
 from replica.sim.costmodel import profile
 

@@ -22,9 +22,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from picker import config as picker_config
 from picker.__main__ import build_parser
-from picker.endpoints.kube import KubeProvider
+from picker.core import config as picker_config
+from picker.core.endpoints.kube import KubeProvider
 from replica.sim.__main__ import parser as sim_parser
 from replica.vllm import launcher
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from picker import config as picker_config
+from picker.core import config as picker_config
 from tests.chart.test_chart import RELEASE, one, render, validate
 
 pytestmark = [pytest.mark.chart, pytest.mark.precise]

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 import pytest
 from kubernetes import client as k8s
 
-from picker.endpoints.kube import KubeProvider, PodView, PoolSpec, WatchConfig, parse_ports
-from picker.endpoints.types import Endpoint
+from picker.core.endpoints.kube import KubeProvider, PodView, PoolSpec, WatchConfig, parse_ports
+from picker.core.endpoints.types import Endpoint
 from tests.kube.fakeapi import PODS, POOLS, FakeKube, pod, pool
 
 pytestmark = pytest.mark.kube
@@ -164,7 +164,7 @@ async def test_410_at_connect_relists(fake: FakeKube) -> None:
 async def test_dropped_connection_backs_off_and_resumes(
     fake: FakeKube, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="picker.endpoints.kube")
+    caplog.set_level(logging.WARNING, logger="picker.core.endpoints.kube")
     seed(fake)
     prov = provider(fake, selector="app=vllm", target_ports=[8000])
     async with running(prov) as sink:

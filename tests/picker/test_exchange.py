@@ -12,12 +12,12 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from picker.config import RouterConfig
-from picker.endpoints.pool import Pool
-from picker.endpoints.types import Endpoint
-from picker.extproc import BUFFERED, DEST_HEADER, FULL_DUPLEX, MAX_CHUNK, Exchange, ExtProcService
-from picker.router import Router
-from picker.telemetry import Telemetry
+from picker.core.config import RouterConfig
+from picker.core.endpoints.pool import Pool
+from picker.core.endpoints.types import Endpoint
+from picker.core.router import Router
+from picker.serving.extproc import BUFFERED, DEST_HEADER, FULL_DUPLEX, MAX_CHUNK, Exchange, ExtProcService
+from picker.serving.telemetry import Telemetry
 
 
 def make(mode: int = FULL_DUPLEX, **cfg: object) -> tuple[Exchange, Pool]:
@@ -312,7 +312,7 @@ async def test_unexpected_error_becomes_a_json_500_and_releases_accounting(
         pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: 1\n\n")),
         pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True)),
     ]
-    with caplog.at_level(logging.ERROR, logger="picker.extproc"):
+    with caplog.at_level(logging.ERROR, logger="picker.serving.extproc"):
         out = [r async for r in svc.Process(_stream(*msgs), None)]
     last = out[-1]
     assert last.WhichOneof("response") == "immediate_response", "the stream ends with a 500, not an RPC error"
@@ -321,7 +321,7 @@ async def test_unexpected_error_becomes_a_json_500_and_releases_accounting(
     assert err["code"] == 500 and err["type"] == "internal_error" and err["message"]
     assert len(out) == 4, "nothing is answered after the error"
     assert all(s.load.in_flight_requests == 0 and s.load.in_flight_tokens == 0 for s in pool)
-    [rec] = [r for r in caplog.records if r.name == "picker.extproc"]
+    [rec] = [r for r in caplog.records if r.name == "picker.serving.extproc"]
     assert rec.exc_info is not None and isinstance(rec.exc_info[1], KeyError), "logged with its traceback"
     assert "rid-7" in rec.getMessage()
     counted = {"decision": "prefix_miss", "outcome": "error_500"}

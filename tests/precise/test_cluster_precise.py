@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from picker.config import PrefixConfig, RouterConfig
+from picker.core.config import PrefixConfig, RouterConfig
 from replica.sim import trace
 from replica.sim.cluster import Cluster, main, simulate
 from replica.sim.costmodel import profile

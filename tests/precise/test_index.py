@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from picker.config import PrefixConfig, RouterConfig
-from picker.endpoints.pool import Pool
-from picker.endpoints.types import Endpoint
-from picker.prefix.events import BadEvent, Cleared, Removed, State, Stored, Sync, apply, decode_batch
-from picker.prefix.precise import PreciseIndex, chain_keys, request_keys
-from picker.request import InferenceRequest
-from picker.router import Router
+from picker.core.config import PrefixConfig, RouterConfig
+from picker.core.endpoints.pool import Pool
+from picker.core.endpoints.types import Endpoint
+from picker.core.prefix.events import BadEvent, Cleared, Removed, State, Stored, Sync, apply, decode_batch
+from picker.core.prefix.precise import PreciseIndex, chain_keys, request_keys
+from picker.core.request import InferenceRequest
+from picker.core.router import Router
 from replica.sim import kv_events as sim_events
 from replica.sim.blocks import Cleared as SimCleared
 from replica.sim.blocks import Removed as SimRemoved

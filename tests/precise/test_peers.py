@@ -1,4 +1,4 @@
-"""Picker replicas sharing their picks over ZMQ (``picker.peers``): two in-process routers, real
+"""Picker replicas sharing their picks over ZMQ (``picker.core.peers``): two in-process routers, real
 sockets on loopback."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator, Callable
 import msgpack
 import pytest
 
-from picker.config import PrefixConfig, RouterConfig
-from picker.endpoints.pool import Pool
-from picker.endpoints.types import Endpoint
-from picker.peers import Peers
-from picker.prefix.events import State, Sync
-from picker.request import InferenceRequest
-from picker.router import Router
+from picker.core.config import PrefixConfig, RouterConfig
+from picker.core.endpoints.pool import Pool
+from picker.core.endpoints.types import Endpoint
+from picker.core.peers import Peers
+from picker.core.prefix.events import State, Sync
+from picker.core.request import InferenceRequest
+from picker.core.router import Router
 from tests.support.procs import free_port
 
 pytestmark = pytest.mark.precise

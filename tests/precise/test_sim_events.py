@@ -20,8 +20,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from picker.prefix.events import State, Subscriber
-from picker.prefix.precise import PreciseIndex, request_keys
+from picker.core.prefix.events import State, Subscriber
+from picker.core.prefix.precise import PreciseIndex, request_keys
 from replica.sim.blocks import chain_hashes
 from tests.sim.test_kv_events import MODEL, Replay, ids
 from tests.support.procs import PY, Procs, free_port, post_json, wait_port

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from picker.tokenize import load
-from picker.tokenize.chat import ChatTemplate, Unrenderable
+from picker.core.tokenize import load
+from picker.core.tokenize.chat import ChatTemplate, Unrenderable
 from replica.tinymodel import _corpus
 
 pytestmark = pytest.mark.precise
@@ -153,13 +153,13 @@ async def test_ext_proc_tokenizes_off_the_event_loop(tok_dir: pathlib.Path) -> N
     from envoy.config.core.v3 import base_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-    from picker.config import PrefixConfig, RouterConfig
-    from picker.endpoints.pool import Pool
-    from picker.endpoints.types import Endpoint
-    from picker.extproc import ExtProcService
-    from picker.prefix.events import State, Sync
-    from picker.prefix.precise import request_keys
-    from picker.router import Router
+    from picker.core.config import PrefixConfig, RouterConfig
+    from picker.core.endpoints.pool import Pool
+    from picker.core.endpoints.types import Endpoint
+    from picker.core.prefix.events import State, Sync
+    from picker.core.prefix.precise import request_keys
+    from picker.core.router import Router
+    from picker.serving.extproc import ExtProcService
 
     pool = Pool()
     pool.set_endpoints([Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)])

@@ -1,4 +1,4 @@
-"""The load model calibrates itself from the replicas' own metrics (``picker.calibration``).
+"""The load model calibrates itself from the replicas' own metrics (``picker.core.calibration``).
 
 Two simulated replicas of different speeds, in discrete-event time (``replica.sim.cluster``: the
 same engine stats the HTTP ``/metrics`` exports, scraped every 200 ms). Linear profiles make the
@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from picker.calibration import CalibrationConfig, Calibrator, delta
-from picker.endpoints.types import Endpoint, EndpointMetrics, EndpointModel, EndpointState
+from picker.core.calibration import CalibrationConfig, Calibrator, delta
+from picker.core.endpoints.types import Endpoint, EndpointMetrics, EndpointModel, EndpointState
 from replica.sim import trace
 from replica.sim.cluster import Cluster
 from replica.sim.costmodel import Profile

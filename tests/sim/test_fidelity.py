@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.endpoints.types import EndpointMetrics
-from picker.scrape import parse_metrics
+from picker.core.endpoints.types import EndpointMetrics
+from picker.core.scrape import parse_metrics
 from replica.sim.costmodel import profile
 from tests.support.procs import PY, Procs, free_port, http, post_json, wait_port
 from tests.support.vllm import tiny_model, vllm_server

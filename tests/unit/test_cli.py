@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from picker import config
 from picker.__main__ import build_config, build_parser
-from picker.extproc import FULL_DUPLEX
-from picker.server import ServerOptions
+from picker.core import config
+from picker.serving.extproc import FULL_DUPLEX
+from picker.serving.server import ServerOptions
 
 
 def _help(monkeypatch: pytest.MonkeyPatch) -> str:
@@ -70,7 +70,7 @@ GIE_CHART_ARGS = [
 
 
 def test_gie_chart_flags_are_accepted_and_acted_on_where_they_map(tmp_path: Path) -> None:
-    from picker import gie_flags
+    from picker.serving import gie_flags
 
     gie_cfg = tmp_path / "default-plugins.yaml"
     gie_cfg.write_text(

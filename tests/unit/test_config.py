@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from picker import config
-from picker.endpoints.pool import Pool
-from picker.endpoints.types import Endpoint
-from picker.prefix.hashing import HashConfig
-from picker.request import InferenceRequest
-from picker.router import Router
+from picker.core import config
+from picker.core.endpoints.pool import Pool
+from picker.core.endpoints.types import Endpoint
+from picker.core.prefix.hashing import HashConfig
+from picker.core.request import InferenceRequest
+from picker.core.router import Router
 
 YAML = """
 policy: prefix-only

@@ -7,9 +7,9 @@ import asyncio
 import orjson
 import pytest
 
-from picker.errors import BadRequest
-from picker.offload import BodyParser
-from picker.request import ParseOptions, parse_and_rewrite
+from picker.core.errors import BadRequest
+from picker.core.request import ParseOptions, parse_and_rewrite
+from picker.serving.offload import BodyParser
 
 
 def test_worker_parse_equals_inline_and_errors_cross_back() -> None:

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from picker.prefix.hashing import MASK60, HashConfig, block_hashes, seed_for
-from picker.prefix.index import EndpointLRU, PrefixIndex
-from picker.prefix.memo import HashMemo, common_prefix
+from picker.core.prefix.hashing import MASK60, HashConfig, block_hashes, seed_for
+from picker.core.prefix.index import EndpointLRU, PrefixIndex
+from picker.core.prefix.memo import HashMemo, common_prefix
 
 SEED = seed_for("model")
 texts = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=600)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from picker.errors import BadRequest
-from picker.prefix.hashing import HashConfig, block_hashes, seed_for
-from picker.request import MAX_NESTING, SEP, InferenceRequest, parse
+from picker.core.errors import BadRequest
+from picker.core.prefix.hashing import HashConfig, block_hashes, seed_for
+from picker.core.request import MAX_NESTING, SEP, InferenceRequest, parse
 
 
 def _parse(doc: object, path: str = "/v1/completions", **kw: object) -> InferenceRequest:
@@ -188,7 +188,7 @@ def _image_doc(data: bytes, text: str = "what is this?") -> dict[str, object]:
 
 
 def test_media_counts_its_configured_cost_and_hashes_by_content() -> None:
-    from picker.request import MEDIA_MARK, ParseOptions
+    from picker.core.request import MEDIA_MARK, ParseOptions
 
     big = bytes(range(256)) * 4096  # 1 MiB of image, 1.4 MB of base64
     opts = ParseOptions(media_tokens={"image": 700})
@@ -205,7 +205,7 @@ def test_media_counts_its_configured_cost_and_hashes_by_content() -> None:
 
 
 def test_routing_text_stops_at_what_is_hashed_and_counts_the_rest() -> None:
-    from picker.request import ParseOptions
+    from picker.core.request import ParseOptions
 
     opts = ParseOptions(max_text_chars=1000)
     doc = {

@@ -7,14 +7,14 @@ from collections import Counter
 
 import pytest
 
-from picker.accounting import Ticket
-from picker.config import IndexConfig, RouterConfig
-from picker.endpoints.pool import Pool
-from picker.endpoints.types import Endpoint, EndpointMetrics, Health
-from picker.errors import NoEndpoints, Overloaded
-from picker.request import InferenceRequest
-from picker.router import Router
-from picker.scheduling.cost import CostScorer
+from picker.core.accounting import Ticket
+from picker.core.config import IndexConfig, RouterConfig
+from picker.core.endpoints.pool import Pool
+from picker.core.endpoints.types import Endpoint, EndpointMetrics, Health
+from picker.core.errors import NoEndpoints, Overloaded
+from picker.core.request import InferenceRequest
+from picker.core.router import Router
+from picker.core.scheduling.cost import CostScorer
 
 
 class Clock:
@@ -377,7 +377,7 @@ def test_any_ready_is_least_in_flight_within_subset() -> None:
 def test_cut_routing_text_hashes_the_same_and_estimates_the_whole_prompt() -> None:
     import orjson
 
-    from picker.request import parse
+    from picker.core.request import parse
 
     router, _, _ = make(1)
     opts = router.parse_options

@@ -7,16 +7,16 @@ from typing import Any
 
 import pytest
 
-from picker.config import build_profile
-from picker.endpoints.types import Endpoint, EndpointMetrics, EndpointModel, EndpointState, Health, Load
-from picker.errors import NoEndpoints, Overloaded
-from picker.request import InferenceRequest
-from picker.scheduling.cost import CostScorer
-from picker.scheduling.filters import LoadGuardFilter, NotSaturatedFilter, ReadyFilter
-from picker.scheduling.pickers import MaxScorePicker, RandomPicker, RoundRobinPicker
-from picker.scheduling.profile import BUILTIN_POLICIES
-from picker.scheduling.registry import make_filter, make_picker, make_scorer
-from picker.scheduling.scorers import (
+from picker.core.config import build_profile
+from picker.core.endpoints.types import Endpoint, EndpointMetrics, EndpointModel, EndpointState, Health, Load
+from picker.core.errors import NoEndpoints, Overloaded
+from picker.core.request import InferenceRequest
+from picker.core.scheduling.cost import CostScorer
+from picker.core.scheduling.filters import LoadGuardFilter, NotSaturatedFilter, ReadyFilter
+from picker.core.scheduling.pickers import MaxScorePicker, RandomPicker, RoundRobinPicker
+from picker.core.scheduling.profile import BUILTIN_POLICIES
+from picker.core.scheduling.registry import make_filter, make_picker, make_scorer
+from picker.core.scheduling.scorers import (
     InFlightTokensScorer,
     KVCacheScorer,
     LeastLoadedScorer,
@@ -25,7 +25,7 @@ from picker.scheduling.scorers import (
     QueueScorer,
     SessionAffinityScorer,
 )
-from picker.scheduling.types import Cycle
+from picker.core.scheduling.types import Cycle
 
 
 def ep(port: int, **kw: Any) -> EndpointState:

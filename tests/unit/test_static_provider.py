@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from picker.endpoints.pool import Pool
-from picker.endpoints.static import FileProvider, StaticProvider, parse_file_doc, parse_list
-from picker.endpoints.types import Endpoint
+from picker.core.endpoints.pool import Pool
+from picker.core.endpoints.static import FileProvider, StaticProvider, parse_file_doc, parse_list
+from picker.core.endpoints.types import Endpoint
 
 
 class Sink:

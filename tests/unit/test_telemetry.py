@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from picker.telemetry import Telemetry
+from picker.serving.telemetry import Telemetry
 
 GONE, KEPT = "10.0.0.1:8000", "10.0.0.2:8000"
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.scrape import parse_metrics
+from picker.core.scrape import parse_metrics
 from tests.support.procs import PY, Procs, Stack, free_port, http, post_json
 from tests.support.vllm import ENV
 

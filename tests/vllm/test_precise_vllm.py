@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import zmq.asyncio
 
-from picker.prefix.events import State, Subscriber
-from picker.prefix.precise import PreciseIndex, request_keys
-from picker.tokenize import load
+from picker.core.prefix.events import State, Subscriber
+from picker.core.prefix.precise import PreciseIndex, request_keys
+from picker.core.tokenize import load
 from tests.support.procs import Procs, free_port, post_json
 from tests.support.vllm import vllm_server
 

@@ -1,0 +1,289 @@
+"""The load model: each endpoint's speed, calibrated online from its own vLLM ``/metrics``.
+
+Per endpoint the model says (:class:`~picker.core.endpoints.types.EndpointModel`):
+
+- ``prefill_rate``: uncached prompt tokens per second;
+- ``step_s(b) = step_base_s + step_per_seq_s * b``: one engine step with ``b`` running requests
+  (what a decode token costs, and what a prefill waits for when it joins a busy batch);
+- ``uncached_per_request``: the uncached prompt tokens of a typical request, to turn the waiting
+  queue gauge into seconds: ``waiting * uncached_per_request / prefill_rate``.
+
+**Inputs** (vLLM 0.32 names; :mod:`picker.core.scrape` parses them): between two scrapes of one
+endpoint, with ``d`` the change of a cumulative counter,
+
+- prefill: ``d vllm:request_prefill_kv_computed_tokens_sum`` uncached tokens took
+  ``d vllm:request_prefill_time_seconds_sum`` seconds over ``d …_count`` requests (vLLM observes
+  both histograms for the same requests, when they finish; prefill time is first token − first
+  scheduled, so queueing is not in it). One step per request is fixed cost, not per-token work,
+  so ``1 / prefill_rate = (d prefill_sum - d count * step_s(b)) / d uncached``;
+- decode: ``d vllm:inter_token_latency_seconds_sum / d …_count`` is the mean step time at the
+  mean of the ``vllm:num_requests_running`` gauge at both scrapes (``b``), less the time those
+  decodes waited for prefill chunks batched with them (``b * d uncached / prefill_rate``, spread
+  over the tokens); a least-squares line through those points, weighted by tokens, gives
+  ``step_base_s`` and ``step_per_seq_s``.
+
+Nothing here reads a response: the estimates need no body parsing and no per-request timing, so
+an error or a non-streamed response cannot move them.
+
+**Pooling.** Every sum is kept per endpoint and for the whole pool (the sum over endpoints).
+The pool's fit has the most data and the widest spread of batch sizes; an endpoint's own data
+only sets a speed *factor* against the pool, ``f = own / pool`` (prefill rate, and step time at
+the batch sizes it saw), shrunk toward 1 in log space::
+
+    f_used = f ** (n / (n + prior_scrapes))
+
+where ``n`` is the number of the endpoint's scrape deltas with that kind of work in them. With
+``n`` well below ``prior_scrapes`` (32 by default) an endpoint is "too few": its deltas cover a
+few requests each, and a request's prefill time depends on what happened to be batched with it
+(a decode-heavy batch, another prefill's chunk, a cached context to attend to), so one delta is
+off by tens of percent, and on a shared CPU by more. At ``n = 32`` the factor counts half, at
+128 four fifths; a factor within ``factor_dead_band`` (30%) of 1 counts as 1. (On two real
+vLLM-CPU replicas of one model, bench/results/real.md, cold traffic still went mostly to one
+of them with these defaults, as with a prior of 8 and a 15% band; there even least-loaded
+and vllm-router split the control 16 / 48, so those replicas were not equally fast.) This is
+what lets a mixed pool (an H100 beside an A100, a replica with a noisy neighbour) get per-endpoint speeds without the noise of
+per-endpoint estimates on identical replicas that made the old ``per_endpoint_rate`` chase
+endpoints away from their caches (cluster mode, 64 H100s: hit rate 0.64 → 0.42). Sums decay by
+``1 - 1 / window`` per delta, so the model follows a replica that slows down.
+
+Until the pool has seen any work the model is :class:`CalibrationConfig`'s defaults (an H100
+running an 8B model) and says so (``source``).
+
+Writer: :class:`Calibrator` alone writes ``EndpointState.model``; it is called with each
+successful scrape (the scraper's update hook, or cluster mode's simulated scrape).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from picker.core.endpoints.types import EndpointMetrics, EndpointModel, EndpointState
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    default_prefill_rate: float = 10_000.0
+    """Uncached prompt tokens/s before any prefill has been measured."""
+    default_step_base_s: float = 0.005
+    default_step_per_seq_s: float = 0.0005
+    default_uncached_per_request: float = 512.0
+    prior_scrapes: float = 32.0
+    """Scrape deltas of an endpoint's own at which its speed factor counts half (see above)."""
+    window: float = 64.0
+    """Decay of the sums: each delta multiplies the older ones by ``1 - 1/window``."""
+    min_prefill_tokens: float = 16.0
+    """A delta with fewer uncached tokens carries no prefill-rate information (a full hit)."""
+    min_batch_spread: float = 2.0
+    """Standard deviation of the running count (requests) needed to fit the step line's slope."""
+    batch_shape: float = 0.05
+    """Without that spread: the step's growth per running request, relative to its base (a
+    decode step is mostly fixed cost; the tiny model on vLLM-CPU measured 0.06 here)."""
+    factor_dead_band: float = 0.3
+    """A shrunk factor within this fraction of 1 is 1: identical replicas measure a few percent
+    apart, and ranking on that difference would send every cold request to whichever looks
+    fastest (all cold prompts onto one replica's cache) instead of breaking the tie at random."""
+    max_factor: float = 20.0
+    """Clamp on an endpoint's speed factor against the pool (and its inverse)."""
+
+    def __post_init__(self) -> None:
+        if min(self.default_prefill_rate, self.prior_scrapes, self.window - 1, self.max_factor - 1) <= 0:
+            raise ValueError(
+                f"calibration: rates, prior_scrapes must be > 0, window and max_factor > 1: {self}"
+            )
+        if self.default_step_base_s < 0 or self.default_step_per_seq_s < 0:
+            raise ValueError(f"calibration: step times must be >= 0: {self}")
+
+    def default_model(self) -> EndpointModel:
+        return EndpointModel(
+            self.default_prefill_rate,
+            self.default_step_base_s,
+            self.default_step_per_seq_s,
+            self.default_uncached_per_request,
+        )
+
+
+@dataclass(slots=True)
+class Sums:
+    """Decayed sums of one endpoint's scrape deltas (or of the whole pool's)."""
+
+    pf_seconds: float = 0.0
+    """Prefill seconds net of one step per request."""
+    pf_tokens: float = 0.0
+    """Uncached prompt tokens."""
+    pf_requests: float = 0.0
+    pf_n: int = 0
+    """Deltas with prefill work in them (not decayed: a count, for the shrinkage)."""
+    d_w: float = 0.0
+    d_wb: float = 0.0
+    d_wbb: float = 0.0
+    d_wy: float = 0.0
+    d_wby: float = 0.0
+    d_n: int = 0
+
+    def decay(self, keep: float) -> None:
+        self.pf_seconds *= keep
+        self.pf_tokens *= keep
+        self.pf_requests *= keep
+        self.d_w *= keep
+        self.d_wb *= keep
+        self.d_wbb *= keep
+        self.d_wy *= keep
+        self.d_wby *= keep
+
+    def add(self, other: Sums, sign: float) -> None:
+        self.pf_seconds += sign * other.pf_seconds
+        self.pf_tokens += sign * other.pf_tokens
+        self.pf_requests += sign * other.pf_requests
+        self.d_w += sign * other.d_w
+        self.d_wb += sign * other.d_wb
+        self.d_wbb += sign * other.d_wbb
+        self.d_wy += sign * other.d_wy
+        self.d_wby += sign * other.d_wby
+        self.pf_n += int(sign) * other.pf_n
+        self.d_n += int(sign) * other.d_n
+
+    def copy(self) -> Sums:
+        s = Sums()
+        s.add(self, 1.0)
+        return s
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What happened on one endpoint between two scrapes."""
+
+    uncached_tokens: float
+    prefill_seconds: float
+    prefill_requests: float
+    itl_seconds: float
+    itl_tokens: float
+    mean_running: float
+
+
+def delta(prev: EndpointMetrics, cur: EndpointMetrics) -> Delta | None:
+    """The change between two scrapes; None when a counter went backwards (the replica restarted)
+    or no time passed."""
+    d_uncached = cur.prefill_computed_tokens_sum - prev.prefill_computed_tokens_sum
+    d_pf = cur.prefill_seconds_sum - prev.prefill_seconds_sum
+    d_pfn = cur.prefill_count - prev.prefill_count
+    d_itl = cur.itl_seconds_sum - prev.itl_seconds_sum
+    d_itln = cur.itl_count - prev.itl_count
+    if min(d_uncached, d_pf, d_pfn, d_itl, d_itln) < 0 or cur.updated_at <= prev.updated_at:
+        return None
+    return Delta(d_uncached, d_pf, d_pfn, d_itl, d_itln, (prev.running + cur.running) / 2)
+
+
+@dataclass
+class Calibrator:
+    """Turns successive scrapes into each endpoint's :class:`EndpointModel` (module docstring)."""
+
+    cfg: CalibrationConfig = field(default_factory=CalibrationConfig)
+    pool: Sums = field(default_factory=Sums)
+    """The sum of every endpoint's sums; maintained incrementally."""
+    _own: dict[str, Sums] = field(default_factory=dict)
+    _last: dict[str, EndpointMetrics] = field(default_factory=dict)
+
+    def observe(self, state: EndpointState) -> None:
+        """Fold ``state.metrics`` (just scraped) into the sums and refresh ``state.model``."""
+        prev = self._last.get(state.key)
+        self._last[state.key] = state.metrics
+        if prev is None:
+            return
+        d = delta(prev, state.metrics)
+        if d is None:
+            return
+        own = self._own.get(state.key)
+        if own is None:
+            own = self._own[state.key] = Sums()
+        self.pool.add(own, -1.0)
+        own.decay(1.0 - 1.0 / self.cfg.window)
+        self._fold(own, d, state.model)
+        self.pool.add(own, 1.0)
+        state.model = self.model_for(own)
+
+    def forget(self, state: EndpointState) -> None:
+        """The endpoint left the pool: its data leaves the pooled sums."""
+        own = self._own.pop(state.key, None)
+        self._last.pop(state.key, None)
+        if own is not None:
+            self.pool.add(own, -1.0)
+
+    def _fold(self, s: Sums, d: Delta, model: EndpointModel) -> None:
+        if d.itl_tokens > 0:
+            # Decodes that shared steps with prefill chunks waited for them: take that share out
+            # (uncached tokens / rate, waited by the mean batch) to leave the decode step itself.
+            shared = d.mean_running * d.uncached_tokens / model.prefill_rate
+            itl = max(d.itl_seconds - shared, 0.25 * d.itl_seconds)
+            w, b, y = d.itl_tokens, d.mean_running, itl / d.itl_tokens
+            s.d_w += w
+            s.d_wb += w * b
+            s.d_wbb += w * b * b
+            s.d_wy += w * y
+            s.d_wby += w * b * y
+            s.d_n += 1
+        if d.prefill_requests > 0 and d.uncached_tokens >= self.cfg.min_prefill_tokens:
+            fixed = d.prefill_requests * model.step_s(d.mean_running)
+            s.pf_seconds += max(d.prefill_seconds - fixed, 0.1 * d.prefill_seconds)
+            s.pf_tokens += d.uncached_tokens
+            s.pf_requests += d.prefill_requests
+            s.pf_n += 1
+
+    def _step_line(self, s: Sums) -> tuple[float, float] | None:
+        """Weighted least squares ``y = a + c b`` (both >= 0) when the batch sizes seen spread by
+        at least ``min_batch_spread`` (standard deviation, in requests). With less spread a slope
+        is noise (seen in tests: a 0.3–1.8 range of the gauge's mean gave a zero intercept and
+        four times the true slope), so only the level is fit, ``y = L (1 + r b)``, with the shape
+        ``r = batch_shape``."""
+        if s.d_w <= 0:
+            return None
+        mb, my = s.d_wb / s.d_w, s.d_wy / s.d_w
+        var = s.d_wbb / s.d_w - mb * mb
+        if var >= self.cfg.min_batch_spread**2:
+            slope = max(0.0, (s.d_wby / s.d_w - mb * my) / var)
+            base = my - slope * mb
+            if base >= 0:
+                return base, slope
+        r = self.cfg.batch_shape
+        # minimise sum w (y - L (1 + r b))^2: L = sum w y (1 + r b) / sum w (1 + r b)^2
+        den = s.d_w + 2 * r * s.d_wb + r * r * s.d_wbb
+        level = (s.d_wy + r * s.d_wby) / den if den > 0 else 0.0
+        return level, level * r
+
+    def _shrunk(self, raw: float, n: int) -> float:
+        cap = self.cfg.max_factor
+        raw = min(max(raw, 1.0 / cap), cap)
+        log_f = math.log(raw) * n / (n + self.cfg.prior_scrapes)
+        return 1.0 if abs(log_f) < self._dead_band else math.exp(log_f)
+
+    @property
+    def _dead_band(self) -> float:
+        return math.log1p(self.cfg.factor_dead_band)
+
+    def _source(self, n: int) -> str:
+        if n < self.cfg.prior_scrapes:
+            return f"pooled across endpoints ({n} own scrapes)"
+        return f"calibrated from {n} scrapes"
+
+    def model_for(self, own: Sums) -> EndpointModel:
+        cfg, pool = self.cfg, self.pool
+        out = cfg.default_model()
+        line = self._step_line(pool)
+        if line is not None:
+            base, slope = line
+            factor = 1.0
+            predicted = base * own.d_w + slope * own.d_wb
+            if own.d_n and predicted > 0:
+                factor = self._shrunk(own.d_wy / predicted, own.d_n)
+            out.step_base_s, out.step_per_seq_s = base * factor, slope * factor
+            out.step_source = self._source(own.d_n)
+        if pool.pf_tokens > 0 and pool.pf_seconds > 0:
+            rate = pool.pf_tokens / pool.pf_seconds
+            if own.pf_n and own.pf_seconds > 0:
+                rate *= self._shrunk((own.pf_tokens / own.pf_seconds) / rate, own.pf_n)
+            out.prefill_rate = rate
+            out.prefill_source = self._source(own.pf_n)
+            reqs = own.pf_requests if own.pf_n >= cfg.prior_scrapes else pool.pf_requests
+            toks = own.pf_tokens if own.pf_n >= cfg.prior_scrapes else pool.pf_tokens
+            out.uncached_per_request = toks / reqs if reqs > 0 else out.uncached_per_request
+        return out

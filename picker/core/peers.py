@@ -1,0 +1,190 @@
+"""Picker replicas tell each other their picks, so their indexes agree between KV events.
+
+Every replica's KV-event subscribers give it the same confirmed index; what differs between
+replicas is what each has just sent and the replicas have not yet reported: the speculative
+entries (precise mode) and, in approximate mode, the whole index. Each replica therefore
+publishes each pick (endpoint, the prompt's KV-block keys, its text-block hashes) on a ZMQ PUB
+socket, and subscribes to every other replica's: a peer's pick is recorded as if it were its own
+(a speculative entry; an approximate-index entry).
+
+They also report their in-flight work: every ``load_interval_s`` (50 ms) each publishes, per
+endpoint, the requests it has in flight there and their pending prefill tokens; a receiver sums
+the latest report of every peer heard from in the last ``load_ttl_s`` (1 s: a dead peer's load
+fades) into ``EndpointState.peer_load``, which
+the cost scorer and the load guard add to the picker's own.
+
+Wire: ZMQ PUB, multipart ``[b"pick", msgpack([sender id, endpoint key, keys, hashes])]`` and
+``[b"load", msgpack([sender id, {endpoint key: [requests, pending prefill tokens]}])]``. A pick
+names an endpoint of the receiver's pool and at most ``MAX_BLOCKS`` keys and hashes of 60-bit
+ints, or it is dropped (counted in ``bad``). Our SUB sockets connect out to the configured peer
+addresses only, so a pod that can reach our port cannot inject picks: it would have to be a peer.
+Sending never blocks (PUB drops at its high-water mark).
+
+State: ``bad`` / ``received`` / ``picks`` counters and ``_loads`` (peer → (heard at, report)), written by
+:meth:`run` only; the ``peer_load`` of the pool's endpoint states, written only here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from picker.core.router import Router
+
+log = logging.getLogger(__name__)
+TOPIC = b"pick"
+LOAD = b"load"
+MAX_BLOCKS = 1 << 16
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+_INT60 = (1 << 60) - 1
+
+
+class Peers:
+    def __init__(
+        self,
+        router: Router,
+        bind: str,
+        peers: Sequence[str],
+        ident: str = "",
+        clock: Callable[[], float] = time.monotonic,
+        load_interval_s: float = 0.05,
+        load_ttl_s: float = 1.0,
+    ) -> None:
+        self.router, self.peers, self.clock = router, list(peers), clock
+        self.load_interval_s, self.load_ttl_s = load_interval_s, load_ttl_s
+        self._loads: dict[str, tuple[float, dict[str, list[int]]]] = {}
+        self.ident = ident or f"{os.getpid()}-{os.urandom(4).hex()}"
+        self._ctx = zmq.asyncio.Context()
+        self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, 10_000)
+        for address in bind.split(","):  # e.g. a pod-wide tcp address and a worker's ipc one
+            self._pub.bind(address)
+        self.received = 0
+        self.picks = 0
+        self.bad = 0
+        router.on_pick = self.publish
+
+    def publish(self, endpoint: str, keys: Sequence[int] | None, hashes: Sequence[int]) -> None:
+        """Tell the peers about one pick (non-blocking; dropped if the socket is full)."""
+        body = msgpack.packb([self.ident, endpoint, list(keys or ()), list(hashes)], use_bin_type=True)
+        with contextlib.suppress(zmq.Again):
+            self._pub.send_multipart([TOPIC, body], flags=zmq.NOBLOCK)
+
+    def apply(self, body: bytes) -> bool:
+        """Record one peer pick. Returns False for a malformed or foreign one (dropped)."""
+        try:
+            ident, endpoint, keys, hashes = msgpack.unpackb(body, raw=False)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            log.debug("bad peer message: %s", exc)
+            return False
+        if ident == self.ident:
+            return True
+        if not (isinstance(endpoint, str) and self.router.pool.get(endpoint) is not None):
+            return False
+        if not (_ints(keys) and _ints(hashes)):
+            return False
+        if keys and self.router.precise is not None:
+            self.router.precise.speculate(endpoint, keys, self.clock())
+        if hashes:
+            self.router.index.record(endpoint, hashes)
+        return True
+
+    def publish_load(self) -> None:
+        """Report this picker's own in-flight work per endpoint (non-blocking)."""
+        report = {
+            s.key: [s.load.in_flight_requests, s.load.pending_prefill_tokens]
+            for s in self.router.pool
+            if s.load.in_flight_requests or s.load.pending_prefill_tokens
+        }
+        with contextlib.suppress(zmq.Again):
+            self._pub.send_multipart([LOAD, msgpack.packb([self.ident, report])], flags=zmq.NOBLOCK)
+
+    def apply_load(self, body: bytes) -> bool:
+        """Take one peer's load report. Returns False for a malformed one (dropped)."""
+        try:
+            ident, report = msgpack.unpackb(body, raw=False)
+        except (ValueError, TypeError, msgpack.UnpackException):
+            return False
+        if (
+            not (isinstance(ident, str) and isinstance(report, dict))
+            or len(report) > len(self.router.pool) + 1
+        ):
+            return False
+        if ident == self.ident:
+            return True
+        clean: dict[str, list[int]] = {}
+        for key, v in report.items():
+            if not (isinstance(key, str) and isinstance(v, list) and len(v) == 2 and _ints(v)):
+                return False
+            clean[key] = v
+        self._loads[ident] = (self.clock(), clean)
+        self.refresh_loads()
+        return True
+
+    def refresh_loads(self) -> None:
+        """Sum the live peers' reports into the endpoint states (dead peers' reports dropped)."""
+        now = self.clock()
+        for ident in [i for i, (t, _) in self._loads.items() if now - t > self.load_ttl_s]:
+            del self._loads[ident]
+        reqs: dict[str, int] = {}
+        pending: dict[str, int] = {}
+        for _, report in self._loads.values():
+            for key, (r, p) in report.items():
+                reqs[key] = reqs.get(key, 0) + r
+                pending[key] = pending.get(key, 0) + p
+        for s in self.router.pool:
+            s.peer_load.in_flight_requests = reqs.get(s.key, 0)
+            s.peer_load.pending_prefill_tokens = pending.get(s.key, 0)
+
+    async def _report_loads(self) -> None:
+        while True:
+            self.publish_load()
+            self.refresh_loads()
+            await asyncio.sleep(self.load_interval_s)
+
+    async def run(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        sub.setsockopt(zmq.SUBSCRIBE, LOAD)
+        for p in self.peers:
+            sub.connect(p)
+        reporter = asyncio.create_task(self._report_loads())
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 2:
+                    ok = False
+                elif frames[0] == LOAD:
+                    ok = self.apply_load(frames[1])
+                else:
+                    ok = self.apply(frames[1])
+                    self.picks += ok
+                self.received += 1
+                self.bad += not ok
+        finally:
+            reporter.cancel()
+            sub.close(linger=0)
+
+    def close(self) -> None:
+        self._pub.close(linger=0)
+        self._ctx.term()
+
+
+def _ints(xs: Any) -> bool:
+    return (
+        isinstance(xs, list)
+        and len(xs) <= MAX_BLOCKS
+        and all(isinstance(x, int) and 0 <= x <= _INT60 for x in xs)
+    )

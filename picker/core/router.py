@@ -1,0 +1,335 @@
+"""The protocol-free core of the hot path: request → prefix match → scheduling → accounting.
+
+The ext_proc server and the simulator's cluster mode both drive a :class:`Router`:
+
+    decision = router.route(req)          # may raise PickerError subclasses
+    ticket = router.start(decision)       # request sent: index records the pick, in-flight += 1
+    router.recredit(ticket, served_key)   # Envoy served a fallback: move the ticket there
+    router.first_token(ticket, measure)   # first response byte: prefill done
+    router.on_scrape(state)               # after each scrape: KV capacity, calibrated load model
+    router.finish(ticket)                 # end, error, reset or disconnect; idempotent
+
+Invariant: every ``start`` is matched by exactly one effective ``finish`` (later calls are
+no-ops), so in-flight counters return to zero when traffic stops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+from picker.core.accounting import Accounting, Ticket
+from picker.core.calibration import Calibrator
+from picker.core.config import RouterConfig, build_profile
+from picker.core.endpoints.pool import Pool
+from picker.core.endpoints.types import EndpointState
+from picker.core.errors import NoEndpoints
+from picker.core.prefix.events import State, Sync
+from picker.core.prefix.hashing import seed_for
+from picker.core.prefix.index import PrefixIndex
+from picker.core.prefix.memo import HashMemo
+from picker.core.prefix.precise import PreciseIndex, request_keys
+from picker.core.request import InferenceRequest, ParseOptions
+from picker.core.scheduling.cost import CostScorer
+from picker.core.scheduling.profile import PluginTimer, Profile, Result
+from picker.core.scheduling.types import Cycle
+from picker.core.tokenize import PromptTokenizer
+from picker.core.tokenize import load as load_tokenizer
+
+
+@dataclass(slots=True)
+class Decision:
+    cycle: Cycle
+    result: Result
+    hashes: list[int]
+    keys: list[int] | None = None
+    """The prompt's precise (token-block) keys when precise matching applied, else None."""
+
+    @property
+    def primary(self) -> EndpointState:
+        return self.result.chosen[0]
+
+    @property
+    def chosen(self) -> list[EndpointState]:
+        return self.result.chosen
+
+
+class Router:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        pool: Pool,
+        clock: Callable[[], float] = time.monotonic,
+        plugin_timer: PluginTimer | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.clock = clock
+        self.index = PrefixIndex(cfg.index.capacity_blocks, cfg.index.segments)
+        self._hash_memo = HashMemo(cfg.hashing)
+        self.profiles: dict[str, Profile] = {n: build_profile(n, s) for n, s in cfg.profiles.items()}
+        for p in self.profiles.values():
+            p.timer = plugin_timer
+        self.profile = self.profiles[cfg.policy]
+        self._block_tokens = cfg.hashing.block_size / cfg.index.chars_per_token
+        self.accounting = Accounting(cfg.rate_ewma_alpha, clock)
+        self.parse_options = ParseOptions(
+            lora_adapters=cfg.lora_adapters,
+            trust_rewrite=cfg.trust_gateway_headers,
+            max_text_chars=cfg.hashing.block_size * cfg.hashing.max_blocks,
+            media_tokens=dict(cfg.media_tokens),
+        )
+        """How request bodies are parsed for this router (its config's view of parsing)."""
+        self.calibrator = Calibrator(cfg.calibration)
+        for state in pool:
+            state.model = cfg.calibration.default_model()
+        pool.on_add(lambda s: setattr(s, "model", cfg.calibration.default_model()))
+        pcfg = cfg.prefix
+        self.precise: PreciseIndex | None = None
+        """Fed by the KV-event subscribers (or cluster mode); None in approximate mode."""
+        self.syncs: dict[str, Sync] = {}
+        """Endpoint key → its event stream's state. Writer: whoever feeds ``precise``."""
+        self.tokenizer: PromptTokenizer | None = None
+        self.on_pick: Callable[[str, list[int] | None, list[int]], None] | None = None
+        """Told of every pick (endpoint, KV-block keys, text-block hashes): ``picker.core.peers``."""
+        if pcfg.mode != "approximate":
+            self.precise = PreciseIndex(pcfg.max_blocks_per_endpoint, pcfg.speculative_ttl_s)
+            pool.on_remove(lambda s: self._forget_precise(s.key))
+            if pcfg.tokenizer:
+                try:
+                    self.tokenizer = load_tokenizer(pcfg.tokenizer, pcfg.tokenizer_cache_entries)
+                except Exception as exc:  # tokenizers raises its own Exception types
+                    raise ValueError(f"prefix.tokenizer {pcfg.tokenizer!r}: {exc}") from exc
+        if self.tokenizer is not None:
+            self.parse_options = dataclasses.replace(self.parse_options, keep_doc=True)
+        pool.on_remove(lambda s: self.index.remove(s.key))
+        pool.on_remove(self.calibrator.forget)
+
+    def _forget_precise(self, key: str) -> None:
+        assert self.precise is not None, "precise state without a precise index"
+        self.precise.remove(key)
+        self.syncs.pop(key, None)
+
+    def tokenize(self, req: InferenceRequest, doc: dict[str, Any], path: str) -> InferenceRequest:
+        """``req`` with the prompt token ids the replica will compute, when precise matching is on
+        and the picker has the model's tokenizer (else ``req`` unchanged: approximate matching)."""
+        if self.tokenizer is None or req.prompt_token_ids is not None or not doc:
+            return req
+        ids = self.tokenizer.encode(doc, path)
+        return req if ids is None else dataclasses.replace(req, prompt_token_ids=ids)
+
+    def is_precise(self, key: str) -> bool:
+        """Whether ``key``'s prefix matches come from its KV events (else from our own record)."""
+        sync = self.syncs.get(key)
+        if self.precise is None or sync is None:
+            return False
+        if sync.state is State.SYNCED:
+            return True
+        return sync.state is State.WAITING and self.cfg.prefix.mode == "precise"
+
+    def precise_block_size(self) -> int:
+        """Tokens per KV block for request keys: configured, else learned from the events or the
+        scraped cache config (0: none yet)."""
+        if self.cfg.prefix.block_size:
+            return self.cfg.prefix.block_size
+        if self.precise is None:
+            return 0
+        if self.precise.block_size:
+            return self.precise.block_size
+        # no event yet: the scraped vllm:cache_config_info
+        return next((s.metrics.block_size for s in self.pool if s.metrics.block_size), 0)
+
+    def cycle(
+        self, req: InferenceRequest, candidates: list[EndpointState]
+    ) -> tuple[Cycle, list[int], list[int] | None]:
+        """The cycle's inputs, the routing text's block hashes (approximate index) and, when
+        precise matching applies, the prompt's KV-block keys."""
+        priority = self.cfg.objectives.get(req.objective, self.cfg.default_priority)
+        tokens, bs = req.prompt_token_ids, self.precise_block_size()
+        exact = [e.key for e in candidates if self.is_precise(e.key)] if tokens is not None and bs else []
+        if exact:
+            return self._precise_cycle(req, candidates, exact, priority)
+        text = req.routing_text.encode()
+        hashes = self._hash_memo.hashes(text, seed_for(req.model, req.lora, req.cache_salt))
+        beyond = max(0, req.prompt_chars - len(req.routing_text))  # text past the cut, 1 byte/char
+        block_tokens = self._block_tokens
+        if tokens is not None:
+            prompt_tokens = max(len(tokens), req.prompt_token_count)
+            bs = self.cfg.hashing.block_size
+            if hashes and len(text) + beyond <= bs * len(hashes):  # every id's text was hashed
+                block_tokens = prompt_tokens / len(hashes)
+            elif text:  # ids per byte of the text they stand for, times the bytes in a block
+                covered = len(text) if req.prompt_token_count else len(text) + beyond
+                block_tokens = len(tokens) * bs / covered
+        else:
+            prompt_tokens = max(1, int((len(text) + beyond) / self.cfg.index.chars_per_token))
+        prompt_tokens += req.media_tokens
+        matches = self.index.match_many([e.key for e in candidates], hashes)
+        cyc = Cycle(req, prompt_tokens, block_tokens, len(hashes), matches, self.clock(), priority)
+        return cyc, hashes, None
+
+    def _precise_cycle(
+        self, req: InferenceRequest, candidates: list[EndpointState], exact: list[str], priority: int
+    ) -> tuple[Cycle, list[int], list[int] | None]:
+        """The cycle counts KV blocks of the engine's block size. Endpoints not routed precisely
+        (none, usually: then the routing text is not even hashed) get their approximate
+        text-block matches converted to whole KV blocks."""
+        assert self.precise is not None and req.prompt_token_ids is not None, "precise cycle without tokens"
+        tokens, bs = req.prompt_token_ids, self.precise_block_size()
+        keys = request_keys(tokens, bs, req.lora, req.cache_salt)
+        now = self.clock()
+        matches = self.precise.match_many(exact, keys, now)
+        rest = [e.key for e in candidates if e.key not in matches]
+        hashes: list[int] = []
+        if rest:
+            seed = seed_for(req.model, req.lora, req.cache_salt)
+            hashes = self._hash_memo.hashes(req.routing_text.encode(), seed)
+            block_tokens = len(tokens) / len(hashes) if hashes else self._block_tokens
+            for k, m in self.index.match_many(rest, hashes).items():
+                matches[k] = int(m * block_tokens / bs)
+        cyc = Cycle(req, len(tokens), float(bs), len(keys), matches, now, priority)
+        return cyc, hashes, keys
+
+    def route(
+        self,
+        req: InferenceRequest,
+        policy: str | None = None,
+        commit: bool = True,
+        subset: Collection[str] | None = None,
+    ) -> Decision:
+        """Pick for ``req``. ``subset`` (the gateway's subset hint, endpoint keys) limits the
+        candidates; an empty subset, or one with no routable endpoint, raises :class:`NoEndpoints`."""
+        candidates = self.pool.routable()
+        if subset is not None:
+            candidates = [e for e in candidates if e.key in subset]
+            if not candidates:
+                raise NoEndpoints("no ready endpoint in the gateway's subset")
+        if not candidates:
+            raise NoEndpoints("no ready endpoint in the pool")
+        cyc, hashes, keys = self.cycle(req, candidates)
+        profile = self.profiles[policy] if policy else self.profile
+        result = profile.run(cyc, candidates, 1 + self.cfg.fallbacks, commit)
+        return Decision(cyc, result, hashes, keys)
+
+    def any_ready(self, subset: Collection[str] | None = None) -> EndpointState:
+        """A bodiless request's endpoint (GET /v1/models): the routable one with the fewest
+        in-flight requests, with no scheduling, index or accounting work. Never shed."""
+        best: EndpointState | None = None
+        for e in self.pool.routable():
+            if (subset is None or e.key in subset) and (
+                best is None or e.load.in_flight_requests < best.load.in_flight_requests
+            ):
+                best = e
+        if best is None:
+            raise NoEndpoints("no ready endpoint in the pool" + (" subset" if subset is not None else ""))
+        return best
+
+    @property
+    def prefill_rate(self) -> float:
+        """Cross-check only: the pool-wide first-byte prefill rate (:mod:`picker.core.accounting`).
+        The cost scorer ranks on the calibrated model, not on this."""
+        return self.accounting.first_byte_rate
+
+    def start(self, decision: Decision) -> Ticket:
+        """The request was sent to the primary: the index records it, accounting charges it."""
+        state = decision.primary
+        cyc = decision.cycle
+        self.index.record(state.key, decision.hashes)
+        if decision.keys and self.precise is not None:
+            self.precise.speculate(state.key, decision.keys, self.clock())
+        if self.on_pick is not None:
+            self.on_pick(state.key, decision.keys, decision.hashes)
+        uncached = cyc.prompt_tokens - cyc.cached_tokens(state.key)
+        return self.accounting.start(
+            state, cyc.prompt_tokens, uncached, cyc.matches.get(state.key, 0), cyc, decision.hashes
+        )
+
+    def recredit(self, ticket: Ticket, key: str) -> bool:
+        """Move ``ticket`` to endpoint ``key``, the one that served it (Envoy fell back): its
+        in-flight counts, pending prefill, prefix-index entry and later rate observation go there.
+
+        The blocks the primary was credited with beyond what it already held are taken back
+        from its LRU. Returns False, changing nothing, when the ticket is done, already on
+        ``key``, or ``key`` is not in the pool."""
+        if ticket.done or key == ticket.state.key:
+            return False
+        new = self.pool.get(key)
+        if new is None:
+            return False
+        self.index.discard(ticket.state.key, ticket.hashes[ticket.matched_blocks :])
+        cyc = ticket.cycle
+        matched = cyc.matches.get(key, self.index.match(key, ticket.hashes)) if cyc else 0
+        cached = min(ticket.prompt_tokens, int(matched * cyc.block_tokens)) if cyc else 0
+        self.accounting.move(ticket, new, ticket.prompt_tokens - cached, matched)
+        self.index.record(key, ticket.hashes)
+        req = cyc.request if cyc else None
+        bs = self.precise_block_size()
+        if self.precise is not None and req is not None and req.prompt_token_ids is not None and bs:
+            keys = request_keys(req.prompt_token_ids, bs, req.lora, req.cache_salt)
+            self.precise.speculate(key, keys, self.clock())
+        return True
+
+    def first_token(self, ticket: Ticket, measure: bool = True) -> None:
+        """See :meth:`picker.core.accounting.Accounting.first_token`."""
+        self.accounting.first_token(ticket, measure)
+
+    def finish(self, ticket: Ticket) -> None:
+        self.accounting.finish(ticket)
+
+    def on_scrape(self, state: EndpointState) -> None:
+        """``state.metrics`` was just replaced by a successful scrape."""
+        self.refresh_capacity(state)
+        self.calibrator.observe(state)
+
+    def refresh_capacity(self, state: EndpointState) -> None:
+        """Size the endpoint's LRU from its ``vllm:cache_config_info`` (KV blocks × block tokens),
+        clamped to [``segments``, ``max_derived_capacity_blocks``]."""
+        m, icfg = state.metrics, self.cfg.index
+        if not (icfg.derive_capacity and m.block_size and m.num_gpu_blocks):
+            return
+        tokens = m.block_size * m.num_gpu_blocks
+        blocks = int(tokens * icfg.chars_per_token / self.cfg.hashing.block_size)
+        self.index.set_capacity(state.key, min(max(blocks, icfg.segments), icfg.max_derived_capacity_blocks))
+
+    def explain(self, req: InferenceRequest, policy: str | None = None) -> dict[str, object]:
+        """Per-endpoint scores and TTFT estimates for ``req``, without sending it anywhere."""
+        decision = self.route(req, policy, commit=False)
+        cyc = decision.cycle
+        cost = self.profile.scorer("cost") or CostScorer()
+        assert isinstance(cost, CostScorer)
+        candidates = self.pool.routable()
+        return {
+            "policy": policy or self.profile.name,
+            "prompt_tokens_est": cyc.prompt_tokens,
+            "blocks": cyc.n_blocks,
+            "chosen": [e.key for e in decision.chosen],
+            "endpoints": {
+                e.key: {
+                    "matched_blocks": cyc.matches.get(e.key, 0),
+                    "prefix_source": "precise"
+                    if decision.keys is not None and self.is_precise(e.key)
+                    else "approximate",
+                    "cached_tokens_est": cyc.cached_tokens(e.key),
+                    "ttft_estimate_s": round(cost.estimate(cyc, e), 6),
+                    "model": {
+                        "prefill_tokens_per_s": round(e.model.prefill_rate, 1),
+                        "prefill_source": e.model.prefill_source,
+                        "step_base_s": round(e.model.step_base_s, 6),
+                        "step_per_seq_s": round(e.model.step_per_seq_s, 7),
+                        "step_source": e.model.step_source,
+                        "uncached_tokens_per_request": round(e.model.uncached_per_request, 1),
+                        "first_byte_rate_crosscheck": round(e.load.first_byte_rate, 1),
+                    },
+                    "score": decision.result.scores.get(e.key),
+                    "scores": {n: s.get(e.key) for n, s in decision.result.per_scorer.items()},
+                    "health": e.health.value,
+                    "in_flight_requests": e.load.in_flight_requests,
+                    "waiting": e.metrics.waiting,
+                    "kv_usage": e.metrics.kv_usage,
+                }
+                for e in candidates
+            },
+        }

@@ -1,0 +1,87 @@
+"""The ``cost`` scorer: estimated time to first token (TTFT) on each endpoint, from each
+endpoint's calibrated load model (:mod:`picker.core.calibration`, ``EndpointState.model``)::
+
+    ttft(e) = (queued(e) + uncached(e)) / rate(e) + step(e, running(e))
+    queued(e) = pending(e) + max(peer_pending(e), (waiting(e) - pending_requests(e)) * u(e))
+    step(e, b) = step_base(e) + step_per_seq(e) * b
+
+- ``uncached(e)``: the request's prompt tokens minus those the prefix index says ``e`` holds.
+- ``queued(e)``: prefill work ahead of the request, in tokens: the uncached tokens we sent to
+  ``e`` that have not produced a first byte yet (known exactly), plus the waiting requests we did
+  not send (the scraped queue minus our requests still in prefill): the other picker replicas'
+  reported pending prefill (``picker.core.peers``), or the endpoint's measured uncached tokens per
+  request each, whichever is larger. Charging every waiting request the average instead
+  double-counts our own cheap cache hits queued on a prefix's holder and spills hot prefixes
+  needlessly.
+- ``rate(e)``: the endpoint's prefill rate in uncached tokens/s, measured from its own
+  ``/metrics`` (pooled with the other endpoints' while it has few scrapes of its own).
+- ``step(e, running(e))``: the engine step the prefill joins, with the running decodes sharing it
+  (measured from ``vllm:inter_token_latency_seconds``); at ``running`` 0 it is the fixed cost of
+  one step. Before any measurement both come from ``calibration``'s defaults (an H100 and an 8B
+  model); the explain API says which.
+
+The score ranks ``cost(e) = ttft(e) + miss_penalty * uncached(e) / rate(e)`` as
+``min_cost / cost(e)``: 1 for the cheapest endpoint, smaller for the rest, so the max-score
+picker picks the minimum. The penalty charges a miss for what the request's own TTFT leaves
+out: its uncached prefill is work that every later request queued on ``e`` waits behind, and it
+writes a second copy of a prefix another endpoint may already hold.
+
+**When a hot prefix spills.** For the endpoint holding the prefix (``uncached`` ≈ 0) against a
+cold one, the holder keeps the request until::
+
+    ttft(holder) > ttft(cold) + miss_penalty * uncached(cold) / rate(cold)
+
+that is, until the holder's estimated TTFT exceeds the cold endpoint's, miss included, by a
+margin in seconds: ``miss_penalty`` times the miss's own prefill time on the cold endpoint.
+The margin adapts to the prompt and to the measured speed; it is never a request count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from picker.core.endpoints.types import EndpointState
+from picker.core.scheduling.types import Cycle
+
+
+@dataclass
+class CostScorer:
+    miss_penalty: float = 1.0
+    """Extra charge per uncached token, in units of its own prefill time (0: rank by TTFT alone)."""
+
+    def __post_init__(self) -> None:
+        if self.miss_penalty < 0:
+            raise ValueError(f"cost: miss_penalty must be >= 0, got {self.miss_penalty}")
+
+    def estimate(self, cycle: Cycle, e: EndpointState) -> float:
+        return self.estimates(cycle, (e,))[e.key]
+
+    def estimates(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
+        """``ttft(e)`` for every endpoint."""
+        return self._costs(cycle, endpoints, 0.0)
+
+    def _costs(self, cycle: Cycle, endpoints: Sequence[EndpointState], penalty: float) -> dict[str, float]:
+        """``ttft(e) + penalty * uncached(e) / rate(e)``; one loop with locals (it runs per request)."""
+        miss = 1.0 + penalty
+        prompt, block_tokens, matches = cycle.prompt_tokens, cycle.block_tokens, cycle.matches
+        out: dict[str, float] = {}
+        for e in endpoints:
+            m, model, load = e.metrics, e.model, e.load
+            uncached = prompt - min(prompt, int(matches.get(e.key, 0) * block_tokens))
+            peer = e.peer_load  # the other picker replicas' work here (picker.core.peers)
+            # Waiting requests we did not send (another picker's, another router's): the peers'
+            # reported prefill, or the measured uncached tokens per request each if larger.
+            foreign = (m.waiting - load.pending_requests) * model.uncached_per_request
+            peer_pending = peer.pending_prefill_tokens
+            queued = load.pending_prefill_tokens + (foreign if foreign > peer_pending else peer_pending)
+            sent = load.in_flight_requests + peer.in_flight_requests
+            running = m.running if m.running > sent else sent
+            step = model.step_base_s + model.step_per_seq_s * running
+            out[e.key] = (queued + miss * uncached) / model.prefill_rate + step
+        return out
+
+    def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
+        est = self._costs(cycle, endpoints, self.miss_penalty)
+        best = min(est.values())
+        return {k: best / v for k, v in est.items()}

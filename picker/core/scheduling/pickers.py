@@ -1,0 +1,57 @@
+"""Pickers: turn weighted scores into an ordered choice (primary, then fallbacks)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from picker.core.endpoints.types import EndpointState
+
+
+@dataclass
+class MaxScorePicker:
+    """Highest score first; ties broken at random so equal endpoints share load."""
+
+    seed: int | None = None
+    _rng: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    def pick(
+        self, scores: Mapping[str, float], endpoints: Sequence[EndpointState], k: int
+    ) -> list[EndpointState]:
+        rnd = self._rng.random
+        ranked = sorted(endpoints, key=lambda e: (scores.get(e.key, 0.0), rnd()), reverse=True)
+        return ranked[:k]
+
+
+@dataclass
+class RoundRobinPicker:
+    """Ignores scores; cycles through the candidates in key order."""
+
+    _next: int = field(default=0, repr=False)
+
+    def pick(
+        self, scores: Mapping[str, float], endpoints: Sequence[EndpointState], k: int
+    ) -> list[EndpointState]:
+        ordered = sorted(endpoints, key=lambda e: e.key)
+        start = self._next % len(ordered)
+        self._next += 1
+        rotated = ordered[start:] + ordered[:start]
+        return rotated[:k]
+
+
+@dataclass
+class RandomPicker:
+    seed: int | None = None
+    _rng: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    def pick(
+        self, scores: Mapping[str, float], endpoints: Sequence[EndpointState], k: int
+    ) -> list[EndpointState]:
+        return self._rng.sample(list(endpoints), min(k, len(endpoints)))

@@ -1,0 +1,105 @@
+"""The cycle runner: filters → weighted scorers → picker. It owns the shared steps (clamping,
+weighting, stopping when filters leave nothing, timing each plugin); plugins own none of them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from picker.core.endpoints.types import EndpointState
+from picker.core.errors import NoEndpoints
+from picker.core.scheduling.types import Cycle, Filter, Picker, PostPick, Scorer
+
+PluginTimer = Callable[[str, float], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    chosen: list[EndpointState]
+    """Primary first, then fallbacks; never empty."""
+    scores: dict[str, float]
+    """Weighted total per candidate that survived the filters."""
+    per_scorer: dict[str, dict[str, float]]
+    candidates: int
+
+
+@dataclass
+class Profile:
+    name: str
+    filters: Sequence[tuple[str, Filter]]
+    scorers: Sequence[tuple[str, Scorer, float]]
+    picker: tuple[str, Picker]
+    timer: PluginTimer | None = field(default=None, repr=False)
+    _post_pick: list[PostPick] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # isinstance() against a runtime Protocol is slow: decide once, not per cycle.
+        self._post_pick = [s for _, s, _ in self.scorers if isinstance(s, PostPick)]
+
+    def run(self, cycle: Cycle, endpoints: list[EndpointState], k: int, commit: bool = True) -> Result:
+        """One cycle. With ``commit=False`` (explain) no plugin learns of the pick."""
+        assert k >= 1, f"must pick at least one endpoint, asked for {k}"
+        timer = self.timer
+        for name, f in self.filters:
+            t0 = time.perf_counter()
+            endpoints = f.filter(cycle, endpoints)
+            if timer:
+                timer(name, time.perf_counter() - t0)
+            if not endpoints:
+                raise NoEndpoints(f"no ready endpoint (filter {name!r} left none)")
+        totals = dict.fromkeys((e.key for e in endpoints), 0.0)
+        per_scorer: dict[str, dict[str, float]] = {}
+        for name, s, weight in self.scorers:
+            t0 = time.perf_counter()
+            scores = s.score(cycle, endpoints)
+            if timer:
+                timer(name, time.perf_counter() - t0)
+            per_scorer[name] = scores
+            for key, v in scores.items():
+                if key in totals:
+                    totals[key] += weight * min(1.0, max(0.0, v))
+        pname, picker = self.picker
+        chosen = picker.pick(totals, endpoints, k)
+        assert chosen, f"picker {pname!r} returned nothing from {len(endpoints)} candidates"
+        for plugin in self._post_pick if commit else ():
+            plugin.picked(cycle, chosen[0])
+        return Result(chosen=chosen, scores=totals, per_scorer=per_scorer, candidates=len(endpoints))
+
+    def scorer(self, name: str) -> Scorer | None:
+        return next((s for n, s, _ in self.scorers if n == name), None)
+
+
+BUILTIN_POLICIES: Mapping[str, Mapping[str, object]] = {
+    # GIE's default: prefix 3, queue 2, KV 2, max-score. Kept for comparison.
+    "weighted": {
+        "filters": [{"type": "ready"}, {"type": "not-saturated"}],
+        "scorers": [
+            {"type": "prefix", "weight": 3},
+            {"type": "queue", "weight": 2},
+            {"type": "kv-cache", "weight": 2},
+            {"type": "lora-affinity", "weight": 1},
+        ],
+        "picker": {"type": "max-score"},
+    },
+    # Ours: minimum estimated TTFT, with a load guard against hot-prefix pile-up.
+    "cost": {
+        "filters": [{"type": "ready"}, {"type": "not-saturated"}, {"type": "load-guard"}],
+        "scorers": [
+            {"type": "cost", "weight": 10},
+            {"type": "lora-affinity", "weight": 1},
+            {"type": "session-affinity", "weight": 1},
+        ],
+        "picker": {"type": "max-score"},
+    },
+    "round-robin": {
+        "filters": [{"type": "ready"}],
+        "scorers": [],
+        "picker": {"type": "round-robin"},
+    },
+    "least-loaded": {
+        "filters": [{"type": "ready"}],
+        "scorers": [{"type": "least-loaded", "weight": 1}],
+        "picker": {"type": "max-score"},
+    },
+}

@@ -1,0 +1,443 @@
+"""Envoy ``ext_proc`` protocol for the GIE endpoint-picker contract (DESIGN §3). Protocol only:
+what to route is decided by :class:`~picker.core.router.Router`; this module turns Envoy messages into
+calls on it and its answers into Envoy messages.
+
+Message order per HTTP request (one gRPC stream):
+- ``FULL_DUPLEX_STREAMED`` request body: answer nothing until the body's end-of-stream, then send
+  the request-headers response (destination header, ``envoy.lb`` metadata, ``clear_route_cache``)
+  followed by the body as ``StreamedBodyResponse`` chunks of at most ``MAX_CHUNK`` bytes.
+- ``BUFFERED`` request body: answer the headers at once (no mutation), then answer the whole body
+  with a ``BodyResponse`` carrying the mutation.
+- Response headers, body and trailers are answered in order as they arrive; in full-duplex mode
+  the response body is echoed back chunk by chunk (SSE passes through unchanged).
+
+:class:`~picker.core.errors.PickerError` is translated here, and only here, into an
+``ImmediateResponse`` with a JSON error body. Any other exception is logged with its traceback and
+becomes an :class:`~picker.core.errors.InternalError` (500) at the same boundary.
+
+When the client sent no ``x-request-id``, the one generated for it is set on the upstream request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from picker.core import request as request_mod
+from picker.core.accounting import Ticket
+from picker.core.endpoints.types import Endpoint
+from picker.core.errors import BodyTooLarge, InternalError, PickerError
+from picker.core.request import Parsed
+from picker.core.router import Router
+from picker.serving.offload import BodyParser
+from picker.serving.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+DEST_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+MAX_CHUNK = 62_000
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
+NO_BODY = processing_mode_pb2.ProcessingMode.NONE
+REQUEST_ID = "x-request-id"
+OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+MESSAGE_KINDS = (
+    "request_headers",
+    "request_body",
+    "request_trailers",
+    "response_headers",
+    "response_body",
+    "response_trailers",
+)
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=OVERWRITE
+    )
+
+
+def _headers_map(msg: pb.HttpHeaders) -> dict[str, str]:
+    return {
+        h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+        for h in msg.headers.headers
+    }
+
+
+def _lb_value(msg: pb.ProcessingRequest, namespace: str, key: str) -> struct_pb2.Value | None:
+    """``metadata_context.filter_metadata[namespace][key]``, or None where Envoy set none."""
+    fm = msg.metadata_context.filter_metadata
+    if namespace not in fm:
+        return None
+    fields = fm[namespace].fields
+    return fields.get(key)
+
+
+def subset_hint(msg: pb.ProcessingRequest) -> frozenset[str] | None:
+    """The gateway's subset (endpoint keys), or None when it sent no hint. A list of strings,
+    or one comma-separated string, both normalised to endpoint keys; an entry that is not
+    ``ip:port`` is dropped (it names nothing we could pick)."""
+    value = _lb_value(msg, SUBSET_NAMESPACE, SUBSET_KEY)
+    if value is None:
+        return None
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        raw = [v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value"]
+    elif kind == "string_value":
+        raw = value.string_value.split(",")
+    else:
+        raw = []
+    return frozenset(k for k in map(endpoint_key, raw) if k)
+
+
+def served_endpoint(msg: pb.ProcessingRequest) -> str | None:
+    """The endpoint Envoy says served the request (response path), as an endpoint key."""
+    value = _lb_value(msg, LB_NAMESPACE, SERVED_KEY)
+    if value is None or value.WhichOneof("kind") != "string_value":
+        return None
+    return endpoint_key(value.string_value) or None
+
+
+def endpoint_key(hostport: str) -> str:
+    """``hostport`` as :attr:`Endpoint.key` spells it, or "" when it is not ``ip:port``."""
+    try:
+        return Endpoint.parse(hostport).key
+    except ValueError:
+        return ""
+
+
+def immediate(err: PickerError) -> pb.ProcessingResponse:
+    body = orjson.dumps({"error": {"message": err.message, "type": err.kind, "code": err.status}})
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=err.status),
+            headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
+            body=body,
+            details=f"kvpick_{err.kind}",
+        )
+    )
+
+
+def body_chunks(
+    body: bytes | Sequence[bytes], kind: str, eos: bool = True
+) -> Iterator[pb.ProcessingResponse]:
+    """``body`` (one buffer, or the chunks it arrived in) as StreamedBodyResponse messages of at
+    most MAX_CHUNK bytes; the last carries ``end_of_stream=eos`` (false when trailers end the
+    stream instead). Chunks that already fit are sent as they are (no join, no re-slicing);
+    messages are made one at a time, as the caller sends them."""
+    parts = [body] if isinstance(body, bytes) else body
+    pieces = [
+        (part, start, min(len(part), start + MAX_CHUNK))
+        for part in parts
+        for start in (range(0, len(part), MAX_CHUNK) if len(part) > MAX_CHUNK else (0,))
+        if part
+    ] or [(b"", 0, 0)]
+    last = len(pieces) - 1
+    for i, (part, start, end) in enumerate(pieces):
+        data = part if end - start == len(part) else bytes(memoryview(part)[start:end])
+        streamed = pb.StreamedBodyResponse(body=data, end_of_stream=i == last and eos)
+        common = pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
+        yield pb.ProcessingResponse(**{kind: pb.BodyResponse(response=common)})
+
+
+@dataclass
+class Exchange:
+    """State of one HTTP request's exchange. Protocol state only; lifecycle is the ticket's."""
+
+    router: Router
+    telemetry: Telemetry | None
+    max_body: int
+    request_mode: int
+    response_mode: int
+    headers: dict[str, str] = field(default_factory=dict)
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
+    picked: bool = False
+    ticket: Ticket | None = None
+    chosen: list[str] = field(default_factory=list)
+    """Endpoint keys, primary first."""
+    decision_label: str = "none"
+    request_id: str = ""
+    """The client's ``x-request-id``, or the one generated for it at the pick."""
+    subset: frozenset[str] | None = None
+    """The gateway's subset hint (endpoint keys), None when it sent none."""
+    measurable: bool = False
+    """The response is a 2xx event stream: its first byte times the prefill (a cross-check)."""
+    parsed: Parsed | None = None
+    """The body's parse, when it was made off the event loop before the pick."""
+
+    # -- request path -------------------------------------------------------------------------
+    def on_request_headers(
+        self,
+        msg: pb.HttpHeaders,
+        cfg: pb.ProtocolConfiguration | None,
+        subset: frozenset[str] | None = None,
+    ) -> list[pb.ProcessingResponse]:
+        self.subset = subset
+        if cfg is not None:
+            # Envoy sets protocol_config (presence-tracked) on the first message only, with its
+            # configured modes; there NONE (0) is a real mode: no body message will follow.
+            self.request_mode, self.response_mode = cfg.request_body_mode, cfg.response_body_mode
+        self.headers = _headers_map(msg)
+        if msg.end_of_stream or self.request_mode == NO_BODY:
+            # Bodiless (GET /v1/models), or a body Envoy will not send: any ready endpoint.
+            self._pick(())
+            return [self._headers_response(body_len=None)]
+        if self.request_mode == FULL_DUPLEX:
+            return []  # answered once the body's end-of-stream arrives
+        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+
+    def absorb(self, msg: pb.HttpBody) -> None:
+        """Buffer a request body chunk (413 past ``max_body``)."""
+        if msg.body:
+            self.size += len(msg.body)
+            if self.size > self.max_body:
+                raise BodyTooLarge(f"request body exceeds {self.max_body} bytes")
+            self.chunks.append(msg.body)
+
+    def on_request_body(self, msg: pb.HttpBody) -> Iterable[pb.ProcessingResponse]:
+        self.absorb(msg)
+        if not msg.end_of_stream:
+            if self.request_mode == FULL_DUPLEX or self.request_mode == BUFFERED:
+                return []
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse())]  # STREAMED: ack each chunk
+        return self._finish_request_body()
+
+    def on_request_trailers(self) -> Iterable[pb.ProcessingResponse]:
+        out = () if self.picked else self._finish_request_body(eos=False)
+        return itertools.chain(out, (pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),))
+
+    def _finish_request_body(self, eos: bool = True) -> Iterable[pb.ProcessingResponse]:
+        """Pick, then answer: full duplex, the headers response and the body streamed back
+        lazily (the caller sends each message before the next is made); buffered, one body
+        response carrying the mutation."""
+        chunks, self.chunks = self.chunks, []
+        new_body = self._pick(chunks)
+        if self.request_mode == FULL_DUPLEX:
+            head = self._headers_response(len(new_body) if new_body is not None else None)
+            out = new_body if new_body is not None else chunks
+            return itertools.chain((head,), body_chunks(out, "request_body", eos))
+        common = self._mutation(body_len=len(new_body) if new_body is not None else None)
+        if new_body is not None:
+            common.body_mutation.body = new_body
+        return [
+            pb.ProcessingResponse(
+                request_body=pb.BodyResponse(response=common), dynamic_metadata=self._metadata()
+            )
+        ]
+
+    def _pick(self, chunks: Sequence[bytes]) -> bytes | None:
+        """Parse (unless done off the loop), route and start accounting. Returns a rewritten
+        body, or None if unchanged. A bodiless request skips scheduling: any ready endpoint, no
+        index or accounting."""
+        self.picked = True
+        if not any(chunks):
+            self.request_id = request_mod.request_id_of(self.headers)
+            self.chosen = [self.router.any_ready(self.subset).key]
+            self.decision_label = "bodiless"
+            return None
+        if self.parsed is None:
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            path = self.headers.get(":path", "")
+            self.parsed = request_mod.parse_and_rewrite(body, path, self.headers, self.router.parse_options)
+        req, new_body, doc = self.parsed
+        if doc is not None:
+            req = self.router.tokenize(req, doc, self.headers.get(":path", ""))
+        self.request_id = req.request_id
+        decision = self.router.route(req, subset=self.subset)
+        self.ticket = self.router.start(decision)
+        self.chosen = [e.key for e in decision.chosen]
+        self.decision_label = "prefix_hit" if decision.cycle.matches.get(self.chosen[0], 0) else "prefix_miss"
+        if self.telemetry:
+            self.telemetry.count_request(req.model, req.model)
+        if self.telemetry and decision.cycle.n_blocks:
+            self.telemetry.prefix_hit_ratio.observe(self.ticket.matched_blocks / decision.cycle.n_blocks)
+        return new_body
+
+    @property
+    def destination(self) -> str:
+        """The one value of both the destination header and the ``envoy.lb`` metadata (the
+        protocol forbids two different values): primary first, then fallbacks, comma-separated."""
+        return ",".join(self.chosen)
+
+    def _mutation(self, body_len: int | None) -> pb.CommonResponse:
+        hdrs = [_header(DEST_HEADER, self.destination)]
+        if self.request_id != self.headers.get(REQUEST_ID):  # generated here: send it upstream
+            hdrs.append(_header(REQUEST_ID, self.request_id))
+        if body_len is not None:
+            hdrs.append(_header("content-length", str(body_len)))
+        return pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=hdrs), clear_route_cache=True)
+
+    def _metadata(self) -> struct_pb2.Struct:
+        md = struct_pb2.Struct()
+        md.update({LB_NAMESPACE: {DEST_HEADER: self.destination}})
+        return md
+
+    def _headers_response(self, body_len: int | None) -> pb.ProcessingResponse:
+        common = self._mutation(body_len)
+        return pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(response=common), dynamic_metadata=self._metadata()
+        )
+
+    # -- response path ------------------------------------------------------------------------
+    def on_response_headers(
+        self, msg: pb.HttpHeaders, served: str | None = None
+    ) -> list[pb.ProcessingResponse]:
+        if served and self.ticket is not None and self.router.recredit(self.ticket, served):
+            self.chosen = [served, *(k for k in self.chosen if k != served)]
+        headers = _headers_map(msg)
+        status = headers.get(":status", "")
+        self.measurable = status.startswith("2") and headers.get("content-type", "").startswith(
+            "text/event-stream"
+        )
+        self.decision_label = f"{self.decision_label}:{status[:1]}xx" if status else self.decision_label
+        if msg.end_of_stream:
+            self.close()
+        return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
+
+    def on_response_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if self.ticket is not None:
+            self.router.first_token(self.ticket, self.measurable)
+        if msg.end_of_stream:
+            self.close()
+        if self.response_mode == FULL_DUPLEX:
+            streamed = pb.StreamedBodyResponse(body=msg.body, end_of_stream=msg.end_of_stream)
+            common = pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
+            return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))]
+        return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+
+    def on_response_trailers(self) -> list[pb.ProcessingResponse]:
+        self.close()
+        return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+
+    def close(self, outcome: str = "ok") -> None:
+        """End accounting (idempotent): end of stream, error, reset or client disconnect."""
+        if self.ticket is not None and not self.ticket.done:
+            self.router.finish(self.ticket)
+            if self.telemetry:
+                self.telemetry.requests.labels(self.decision_label, outcome).inc()
+
+
+class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(
+        self,
+        router: Router,
+        telemetry: Telemetry | None = None,
+        default_mode: int = FULL_DUPLEX,
+        parser: BodyParser | None = None,
+    ) -> None:
+        self.router = router
+        self.telemetry = telemetry
+        self.default_mode = default_mode
+        self.parser = parser
+        """Parses large bodies off the event loop; None parses every body inline."""
+        self._counted = {k: telemetry.extproc_messages.labels(k) for k in MESSAGE_KINDS} if telemetry else {}
+        """Pre-bound counter children: one ``inc`` per message, no label lookup."""
+
+    async def _offload(self, ex: Exchange, msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
+        """A body's last chunk, when work must leave the event loop: a large body is parsed in
+        the worker process; with a tokenizer (precise mode) the prompt is tokenized in a thread
+        (HF ``tokenizers`` releases the GIL). The chunk is buffered and the exchange finishes on
+        an empty end-of-stream chunk. Other messages pass unchanged."""
+        if msg.WhichOneof("request") != "request_body" or ex.picked:
+            return msg
+        chunk = msg.request_body
+        size = ex.size + len(chunk.body)
+        offload = self.parser is not None and self.parser.offloads(size)
+        tokenize = self.router.tokenizer is not None and size > 0
+        if not chunk.end_of_stream or not (offload or tokenize):
+            return msg
+        ex.absorb(chunk)
+        path = ex.headers.get(":path", "")
+        if offload:
+            assert self.parser is not None, "offload without a parser"
+            ex.parsed = await self.parser.parse(ex.chunks, path, ex.headers, self.router.parse_options)
+        else:
+            body = ex.chunks[0] if len(ex.chunks) == 1 else b"".join(ex.chunks)
+            ex.parsed = request_mod.parse_and_rewrite(body, path, ex.headers, self.router.parse_options)
+        req, new_body, doc = ex.parsed
+        if tokenize and doc is not None:
+            req = await asyncio.to_thread(self.router.tokenize, req, doc, path)
+            ex.parsed = (req, new_body, doc)
+        return pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True))
+
+    async def Process(
+        self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        ex = Exchange(
+            self.router, self.telemetry, self.router.cfg.max_body_bytes, self.default_mode, self.default_mode
+        )
+        outcome = "aborted"
+        try:
+            async for msg in requests:
+                try:
+                    out = self._step(ex, await self._offload(ex, msg))
+                except PickerError as err:
+                    outcome = f"error_{err.status}"
+                    if self.telemetry and ex.ticket is None:  # else counted by close()
+                        self.telemetry.requests.labels("rejected", outcome).inc()
+                    yield immediate(err)
+                    return
+                for resp in out:
+                    yield resp
+            outcome = "ok"
+        finally:
+            ex.close(outcome)
+
+    def _step(self, ex: Exchange, msg: pb.ProcessingRequest) -> Iterable[pb.ProcessingResponse]:
+        """:meth:`_dispatch`, timing only the call that makes the pick (the e2e histogram holds
+        one sample per picked request). Raises only :class:`PickerError`."""
+        try:
+            if self.telemetry is None or ex.picked:
+                return self._dispatch(ex, msg)
+            start = time.perf_counter()
+            out = self._dispatch(ex, msg)
+            if ex.picked:
+                self.telemetry.e2e.observe(time.perf_counter() - start)
+            return out
+        except PickerError:
+            raise
+        except Exception as exc:
+            rid = ex.request_id or ex.headers.get(REQUEST_ID, "-")
+            log.exception(
+                "ext_proc: unexpected error on %s (x-request-id %s)", msg.WhichOneof("request"), rid
+            )
+            raise InternalError("the endpoint picker failed to process the request") from exc
+
+    def _dispatch(self, ex: Exchange, msg: pb.ProcessingRequest) -> Iterable[pb.ProcessingResponse]:
+        kind = msg.WhichOneof("request")
+        counter = self._counted.get(kind)
+        if counter is not None:
+            counter.inc()
+        if kind == "request_headers":
+            cfg = msg.protocol_config if msg.HasField("protocol_config") else None
+            return ex.on_request_headers(msg.request_headers, cfg, subset_hint(msg))
+        if kind == "request_body":
+            return ex.on_request_body(msg.request_body)
+        if kind == "request_trailers":
+            return ex.on_request_trailers()
+        if kind == "response_headers":
+            return ex.on_response_headers(msg.response_headers, served_endpoint(msg))
+        if kind == "response_body":
+            return ex.on_response_body(msg.response_body)
+        if kind == "response_trailers":
+            return ex.on_response_trailers()
+        log.warning("ignoring unknown ext_proc message %r", kind)
+        return []

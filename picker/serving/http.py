@@ -1,0 +1,89 @@
+"""The picker's HTTP faces.
+
+- :func:`metrics_app` (``--metrics-port``, 9090): Prometheus ``GET /metrics`` only.
+- :func:`debug_app` (``--debug-port``, 9091, only with ``--enable-debug-api``; bound to
+  127.0.0.1 unless ``--debug-bind-address`` says otherwise). It reveals, per endpoint, whether a
+  guessed prompt prefix was sent there recently — a cross-tenant side channel — so it is off by
+  default and never shares the metrics port:
+
+  - ``POST /debug/explain?path=/v1/completions[&policy=NAME]`` with an OpenAI body: per-endpoint
+    matched blocks, scores and TTFT estimates, without sending anything.
+  - ``GET /debug/endpoints``: the pool's live state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from picker.core.errors import PickerError
+from picker.core.router import Router
+from picker.serving import explain as explain_mod
+from picker.serving.telemetry import Telemetry
+
+
+def _precise_state(router: Router, key: str) -> dict[str, Any]:
+    sync = router.syncs.get(key)
+    if router.precise is None or sync is None:
+        return {}
+    return {
+        "kv_events": sync.state.value,
+        "kv_events_seq": sync.expected,
+        "kv_events_gaps": sync.gaps,
+        "precise_blocks": router.precise.size(key),
+    }
+
+
+def metrics_app(router: Router, telemetry: Telemetry) -> web.Application:
+    async def metrics(_: web.Request) -> web.Response:
+        telemetry.refresh(router.pool, router.index)
+        body = generate_latest(telemetry.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application(client_max_size=1024)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def debug_app(router: Router) -> web.Application:
+    async def explain(req: web.Request) -> web.Response:
+        body = await req.read()
+        try:
+            doc = explain_mod.explain(
+                router,
+                req.query.get("path", ""),
+                body,
+                req.query.get("policy", ""),
+                {k.lower(): v for k, v in req.headers.items()},
+            )
+            return web.json_response(doc)
+        except PickerError as err:
+            return web.json_response({"error": {"message": err.message, "type": err.kind}}, status=err.status)
+
+    async def endpoints(_: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                s.key: {
+                    "health": s.health.value,
+                    "in_flight_requests": s.load.in_flight_requests,
+                    "in_flight_tokens": s.load.in_flight_tokens,
+                    "pending_prefill_tokens": s.load.pending_prefill_tokens,
+                    "first_byte_rate": s.load.first_byte_rate,
+                    "prefill_rate": s.model.prefill_rate,
+                    "prefill_source": s.model.prefill_source,
+                    "waiting": s.metrics.waiting,
+                    "running": s.metrics.running,
+                    "kv_usage": s.metrics.kv_usage,
+                    "index_blocks": router.index.size(s.key),
+                    **_precise_state(router, s.key),
+                }
+                for s in router.pool
+            }
+        )
+
+    app = web.Application(client_max_size=router.cfg.max_body_bytes)
+    app.router.add_post("/debug/explain", explain)
+    app.router.add_get("/debug/endpoints", endpoints)
+    return app

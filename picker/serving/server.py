@@ -1,0 +1,258 @@
+"""Wiring: the gRPC ext_proc server (with health on the same port, as gateways probe it there),
+the plaintext health server, the metrics HTTP server, the opt-in debug faces, discovery and
+scraping, and the lifecycle.
+
+Health (gRPC, services ``liveness``, ``readiness`` and the ext_proc service name):
+- ``liveness`` is SERVING while the process runs;
+- ``readiness`` and ``envoy.service.ext_proc.v3.ExternalProcessor`` are SERVING once discovery
+  has synced (the provider pushed its first endpoint set) and until shutdown begins. An empty pool
+  is still ready: requests then get the protocol's 503, not a gateway error.
+
+Shutdown (SIGTERM): readiness goes NOT_SERVING, the ext_proc server takes no new streams, and
+in-flight streams (each lives as long as its generation) finish for up to ``drain_timeout_s``
+(130 s, as GIE's termination grace); then the process exits. A second signal skips the drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from picker._proto.kvpick.v1 import explain_pb2_grpc
+from picker.core.config import RouterConfig
+from picker.core.endpoints.pool import Pool
+from picker.core.endpoints.types import EndpointProvider, EndpointState, Health
+from picker.core.peers import Peers
+from picker.core.prefix.subscribers import Subscribers
+from picker.core.router import Router
+from picker.core.scrape import Scraper
+from picker.serving.explain import ExplainService
+from picker.serving.extproc import FULL_DUPLEX, ExtProcService
+from picker.serving.http import debug_app, metrics_app
+from picker.serving.offload import BodyParser
+from picker.serving.telemetry import Telemetry
+from picker.serving.tls import server_credentials
+
+log = logging.getLogger(__name__)
+EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+READINESS_SERVICES = ("", "readiness", EXTPROC_SERVICE)
+GIE_PROBE_SERVICE = "inference-extension"
+"""What GIE's chart probes on 9003, for liveness and readiness alike, when leader election is
+off: SERVING once discovery has synced, and still while draining (a failing liveness probe would
+get the pod killed before its streams finish)."""
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    grpc_port: int = 9002
+    grpc_health_port: int = 9003
+    metrics_port: int = 9090
+    host: str = "0.0.0.0"
+    secure_serving: bool = True
+    cert_path: str | None = None
+    enable_cert_reload: bool = False
+    default_body_mode: int = FULL_DUPLEX
+    enable_debug_api: bool = False
+    """Serve ``/debug/explain`` and ``/debug/endpoints`` on ``debug_port``."""
+    debug_port: int = 9091
+    debug_bind_address: str = "127.0.0.1"
+    enable_explain_grpc: bool = False
+    """Serve the ``kvpick.v1.Explain`` gRPC service on the ext_proc port."""
+    max_concurrent_streams: int = 4096
+    """Concurrent gRPC calls on the ext_proc port (ext_proc streams and health checks); over it
+    a call is refused with RESOURCE_EXHAUSTED and Envoy's failure mode applies. 0: no cap."""
+    drain_timeout_s: float = 130.0
+    reuse_port: bool = False
+    """Bind every port with SO_REUSEPORT (``--workers``: N processes share them)."""
+    pool_name: str = "kvpick"
+    """The ``name`` label of the ``inference_pool_*`` metrics (GIE's: the InferencePool's name)."""
+    peer_bind: str = ""
+    """ZMQ address this picker publishes its picks on (``tcp://*:5560``; "" = no peers)."""
+    peers: tuple[str, ...] = ()
+    """The other picker replicas' pick publishers (``tcp://host:5560``), subscribed to."""
+
+
+class PickerServer:
+    def __init__(self, cfg: RouterConfig, provider: EndpointProvider, opts: ServerOptions) -> None:
+        self.cfg, self.provider, self.opts = cfg, provider, opts
+        self.pool = Pool()
+        self.telemetry = Telemetry(pool_name=opts.pool_name)
+        self.router = Router(cfg, self.pool, plugin_timer=self.telemetry.plugin_timer)
+        for prof in self.router.profiles.values():  # GIE's extension_point label per plugin
+            points = self.telemetry.extension_points
+            points.update({name: "Filter" for name, _ in prof.filters})
+            points.update({name: "Scorer" for name, _, _ in prof.scorers})
+            points[prof.picker[0]] = "Picker"
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.pool.on_remove(lambda s: self.telemetry.forget(s.key))
+        self.parser = BodyParser(cfg.parse_offload_bytes)
+        self._stopping = asyncio.Event()
+        self._subs: Subscribers | None = None
+        self._force = asyncio.Event()
+        self.draining = False
+        """Set once shutdown begins; written only by :meth:`run`."""
+
+    def _on_scrape(self, state: EndpointState) -> None:
+        self.router.on_scrape(state)
+
+    def _on_scrape_error(self, state: EndpointState, reason: str) -> None:
+        self.telemetry.scrape_errors.labels(state.key, reason).inc()
+        if self._subs is not None and state.health is Health.UNREACHABLE:
+            self._subs.suspect(state.key)
+
+    async def _set_health(self, ready: bool) -> None:
+        status = SERVING if ready else NOT_SERVING
+        await _maybe_await(self.health.set("liveness", SERVING))
+        for svc in READINESS_SERVICES:
+            await _maybe_await(self.health.set(svc, status))
+        synced = SERVING if self.pool.synced else NOT_SERVING
+        await _maybe_await(self.health.set(GIE_PROBE_SERVICE, synced))
+
+    async def _watch_readiness(self) -> None:
+        last: bool | None = None
+        while True:
+            ready = self.pool.synced and not self.draining
+            if ready != last:
+                await self._set_health(ready)
+                last = ready
+            await asyncio.sleep(0.1)
+
+    def _grpc_server(self) -> grpc.aio.Server:
+        cap = self.opts.max_concurrent_streams or None
+        reuse = int(self.opts.reuse_port)
+        server = grpc.aio.server(options=[("grpc.so_reuseport", reuse)], maximum_concurrent_rpcs=cap)
+        service = ExtProcService(self.router, self.telemetry, self.opts.default_body_mode, self.parser)
+        pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if self.opts.enable_explain_grpc:
+            explain_pb2_grpc.add_ExplainServicer_to_server(ExplainService(self.router), server)
+        addr = f"{self.opts.host}:{self.opts.grpc_port}"
+        if self.opts.secure_serving:
+            server.add_secure_port(
+                addr, server_credentials(self.opts.cert_path, self.opts.enable_cert_reload)
+            )
+        else:
+            server.add_insecure_port(addr)
+        return server
+
+    async def _http_sites(self) -> list[web.AppRunner]:
+        runners: list[web.AppRunner] = []
+        faces = [(metrics_app(self.router, self.telemetry), self.opts.host, self.opts.metrics_port)]
+        if self.opts.enable_debug_api:
+            faces.append((debug_app(self.router), self.opts.debug_bind_address, self.opts.debug_port))
+        for app, host, port in faces:
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, host, port, reuse_port=self.opts.reuse_port or None).start()
+            runners.append(runner)
+        return runners
+
+    async def run(self) -> None:
+        ext = self._grpc_server()
+        hs = grpc.aio.server(options=[("grpc.so_reuseport", int(self.opts.reuse_port))])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
+        hs.add_insecure_port(f"{self.opts.host}:{self.opts.grpc_health_port}")
+        await self._set_health(False)
+        runners: list[web.AppRunner] = []
+        subs = self._subs = self._subscribers()
+        peers = Peers(self.router, self.opts.peer_bind, self.opts.peers) if self.opts.peer_bind else None
+        async with Scraper(self.pool, self.cfg.scrape, self._on_scrape, self._on_scrape_error):
+            if subs is not None:
+                subs.attach(self.pool)
+            tasks = [
+                asyncio.create_task(self.provider.run(self.pool)),
+                asyncio.create_task(self._watch_readiness()),
+                *([asyncio.create_task(peers.run())] if peers is not None else []),
+            ]
+            try:
+                self.parser.start()
+                await ext.start()
+                await hs.start()
+                runners = await self._http_sites()
+                self._log_started()
+                done, _ = await asyncio.wait(
+                    [*tasks, asyncio.create_task(self._stopping.wait())], return_when=asyncio.FIRST_COMPLETED
+                )
+                for t in done:
+                    if t in tasks and t.exception():
+                        raise RuntimeError("discovery failed") from t.exception()
+                await self._drain(ext)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await t
+                await ext.stop(grace=0)
+                await hs.stop(grace=0)
+                for r in runners:
+                    await r.cleanup()
+                if subs is not None:
+                    await subs.close()
+                self.parser.close(wait=True)
+                if peers is not None:
+                    peers.close()
+
+    async def _drain(self, ext: grpc.aio.Server) -> None:
+        """NOT_SERVING, no new streams, in-flight streams finish (up to the drain timeout, or
+        until a second signal)."""
+        self.draining = True
+        await self._set_health(False)
+        log.info("draining: no new streams; in-flight streams get up to %.0f s", self.opts.drain_timeout_s)
+        stop = asyncio.create_task(ext.stop(grace=self.opts.drain_timeout_s))
+        force = asyncio.create_task(self._force.wait())
+        await asyncio.wait([stop, force], return_when=asyncio.FIRST_COMPLETED)
+        force.cancel()
+        if not stop.done():
+            log.warning("second signal: ending the drain now")
+            await ext.stop(grace=0)
+            await stop
+        log.info("drained")
+
+    def _log_started(self) -> None:
+        o = self.opts
+        log.info(
+            "picker serving ext_proc on :%d (%s), health :%d, metrics :%d, debug %s, explain gRPC %s, "
+            "max streams %s, policy %s",
+            o.grpc_port,
+            "TLS" if o.secure_serving else "plaintext",
+            o.grpc_health_port,
+            o.metrics_port,
+            f"{o.debug_bind_address}:{o.debug_port}" if o.enable_debug_api else "off",
+            "on" if o.enable_explain_grpc else "off",
+            o.max_concurrent_streams or "unbounded",
+            self.cfg.policy,
+        )
+
+    def _subscribers(self) -> Subscribers | None:
+        """KV-event subscribers feeding the precise index (precise and auto modes)."""
+        p = self.cfg.prefix
+        if self.router.precise is None:
+            return None
+        return Subscribers(
+            self.router.precise,
+            self.router.syncs,
+            p.kv_events_port,
+            p.kv_events_replay_port,
+            p.kv_events_topic,
+            p.refill_s,
+        )
+
+    def stop(self) -> None:
+        """Begin shutdown; a second call ends the drain at once."""
+        if self._stopping.is_set():
+            self._force.set()
+        self._stopping.set()
+
+
+async def _maybe_await(x: object) -> None:
+    if asyncio.iscoroutine(x):
+        await x

@@ -1,0 +1,134 @@
+"""The picker's own Prometheus metrics (GIE names where the meaning is the same)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from picker.core.endpoints.pool import Pool
+from picker.core.prefix.index import PrefixIndex
+
+_LAT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+MAX_MODEL_LABELS = 256
+"""Distinct ``model_name`` label values kept on ``inference_objective_request_total``; later ones
+count as "other" (client-chosen names must not grow the registry without bound)."""
+
+
+class Telemetry:
+    def __init__(self, registry: CollectorRegistry | None = None, pool_name: str = "kvpick") -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.pool_name = pool_name
+        self.extension_points: dict[str, str] = {}
+        """Plugin name → GIE extension point (Filter, Scorer, Picker), for the plugin histogram."""
+        self.requests = Counter(
+            "kvpick_requests", "Requests by decision and outcome", ["decision", "outcome"], registry=r
+        )
+        self.e2e = Histogram(
+            "inference_extension_scheduler_e2e_duration_seconds",
+            "End-to-end scheduling latency (parse, hash, score, pick)",
+            buckets=_LAT_BUCKETS,
+            registry=r,
+        )
+        self.plugin = Histogram(
+            "inference_extension_plugin_duration_seconds",
+            "Plugin processing latency per extension point, plugin type and plugin name",
+            ["extension_point", "plugin_type", "plugin_name"],
+            buckets=_LAT_BUCKETS,
+            registry=r,
+        )
+        self.objective_requests = Counter(
+            "inference_objective_request_total",
+            "Requests picked for, by model and target model",
+            ["model_name", "target_model_name"],
+            registry=r,
+        )
+        self.avg_kv = Gauge(
+            "inference_pool_average_kv_cache_utilization",
+            "Average KV-cache utilization (0-1) over the pool's routable endpoints",
+            ["name"],
+            registry=r,
+        )
+        self.avg_queue = Gauge(
+            "inference_pool_average_queue_size",
+            "Average waiting requests over the pool's routable endpoints",
+            ["name"],
+            registry=r,
+        )
+        self.prefix_size = Gauge(
+            "inference_extension_prefix_indexer_size",
+            "Blocks held in the approximate prefix index",
+            registry=r,
+        )
+        self.prefix_hit_ratio = Histogram(
+            "inference_extension_prefix_indexer_hit_ratio",
+            "Fraction of a request's prefix blocks found on the chosen endpoint",
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+            registry=r,
+        )
+        self.ready_pods = Gauge(
+            "inference_pool_ready_pods", "Routable endpoints in the pool", ["name"], registry=r
+        )
+        self.in_flight = Gauge(
+            "kvpick_endpoint_in_flight_requests", "In-flight requests", ["endpoint"], registry=r
+        )
+        self.in_flight_tokens = Gauge(
+            "kvpick_endpoint_in_flight_tokens",
+            "Prompt tokens of in-flight requests",
+            ["endpoint"],
+            registry=r,
+        )
+        self.extproc_messages = Counter(
+            "kvpick_extproc_messages",
+            "ext_proc messages received from Envoy, by kind (request_headers, request_body, ...)",
+            ["kind"],
+            registry=r,
+        )
+        self.scrape_errors = Counter(
+            "kvpick_scrape_errors", "Failed /metrics scrapes", ["endpoint", "reason"], registry=r
+        )
+
+    def plugin_timer(self, name: str, seconds: float) -> None:
+        self.plugin.labels(self.extension_points.get(name, "Plugin"), name, name).observe(seconds)
+
+    def count_request(self, model: str, target_model: str) -> None:
+        """One picked request (``inference_objective_request_total``), label values bounded."""
+        metrics = self.objective_requests._metrics
+        if (model, target_model) not in metrics and len(metrics) >= MAX_MODEL_LABELS:
+            model = target_model = "other"
+        self.objective_requests.labels(model, target_model).inc()
+
+    def refresh(self, pool: Pool, index: PrefixIndex) -> None:
+        """Update the gauges that mirror state (called on each metrics scrape of the picker)."""
+        self.prefix_size.set(index.size())
+        ready = 0
+        kv = queue = 0.0
+        live = set()
+        for s in pool:
+            if s.routable:
+                ready += 1
+                kv += s.metrics.kv_usage
+                queue += s.metrics.waiting
+            live.add(s.key)
+            self.in_flight.labels(s.key).set(s.load.in_flight_requests)
+            self.in_flight_tokens.labels(s.key).set(s.load.in_flight_tokens)
+        self.ready_pods.labels(self.pool_name).set(ready)
+        self.avg_kv.labels(self.pool_name).set(kv / ready if ready else 0.0)
+        self.avg_queue.labels(self.pool_name).set(queue / ready if ready else 0.0)
+        for gauge in (self.in_flight, self.in_flight_tokens):
+            for labels in list(gauge._metrics):  # drop series of departed endpoints
+                if labels[0] not in live:
+                    gauge.remove(*labels)
+
+    def forget(self, key: str) -> None:
+        """Drop every series labelled with endpoint ``key`` (it left the pool): label cardinality
+        stays bounded by the live endpoints."""
+        for gauge in (self.in_flight, self.in_flight_tokens):
+            with contextlib.suppress(KeyError):
+                gauge.remove(key)
+        for labels in list(self.scrape_errors._metrics):  # (endpoint, reason)
+            if labels[0] == key:
+                with contextlib.suppress(KeyError):
+                    self.scrape_errors.remove(*labels)
