@@ -4,31 +4,53 @@ Per request a :class:`Ticket`; per endpoint a :class:`~picker.core.endpoints.typ
 
     ticket = accounting.start(state, prompt_tokens, uncached_tokens, ...)  # in-flight += 1
     accounting.move(ticket, other_state, uncached_tokens)                  # Envoy served elsewhere
-    accounting.first_token(ticket, measure)                                # prefill no longer pending
-    accounting.finish(ticket)                                              # idempotent
+    accounting.expire(states)                # prefills predicted done by now: no longer pending
+    accounting.reconcile(state)              # after a scrape: at most waiting + 1 still pending
+    accounting.first_token(ticket, measure)  # a first response byte (when Envoy sends bodies)
+    accounting.finish(ticket)                # idempotent
+
+**When a prefill stops being pending.** The shipped Envoy configs send the picker no response
+bodies, so it never sees a first byte; releasing the pending prefill only at the end of the
+stream would count a replica serving long streams as queued for as long as they decode. A
+request's prefill is released by whichever comes first:
+
+- its predicted end (:attr:`Ticket.due`): the endpoint works through the prefills we sent in
+  order, so ``due = max(now, busy_until) + uncached / rate + step(running)``, with the
+  calibrated model (``state.model``) at send time, and ``busy_until`` advanced by the request's
+  ``uncached / rate``;
+- the scraped queue (:meth:`reconcile`): vLLM admits in arrival order (FCFS), so once a scrape
+  shows ``W`` requests waiting, at most ``W + 1`` of those we sent before it (the ``+ 1``: one
+  being prefilled in the current step) can still be pending; the older ones are released;
+- a first response byte, when Envoy sends response bodies;
+- the end of the request.
+
+A prediction that comes too early is corrected by the cost scorer: a released request still
+waiting in the replica's queue shows in the scraped ``waiting`` gauge, which it prices (less our
+pending requests) at the endpoint's uncached tokens per request.
 
 Writers, one per field:
 
 - ``Load.in_flight_requests``, ``in_flight_tokens``, ``pending_prefill_tokens``,
-  ``pending_requests``: charged by
-  :meth:`Accounting.start` (and :meth:`move`), released by :meth:`first_token` (pending prefill)
-  and :meth:`finish`; nothing else writes them.
+  ``pending_requests``, ``prefill_busy_until``, ``prefill_due``: charged by :meth:`Accounting.start`
+  (and :meth:`move`), pending prefill released by :meth:`expire`, :meth:`reconcile` and
+  :meth:`first_token`, everything by :meth:`finish`; nothing else writes them.
 - ``Load.first_byte_rate``, ``first_byte_samples`` and :attr:`Accounting.first_byte_rate`: the
   per-request prefill cross-check, written by :meth:`first_token` from 2xx streamed responses
   only (``measure``). The cost scorer does not read them: it ranks on the calibrated model
   (``state.model``, written by :class:`picker.core.calibration.Calibrator` from scrapes), and the
   scraped metrics (``state.metrics``) are written by the scraper (or cluster mode's scrape).
-- :class:`Ticket` fields: this module (``started``, ``first_token_at``, ``done``, the endpoint
-  and its token counts on a move).
+- :class:`Ticket` fields: this module (``started``, ``due``, ``pending``, ``first_token_at``,
+  ``done``, the endpoint and its token counts on a move).
 
 Invariant: every ``start`` is matched by exactly one effective ``finish`` (later calls are
 no-ops), so the in-flight counters return to zero when traffic stops; they are never negative.
+A ticket's pending prefill is released at most once (``Ticket.pending``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from picker.core.endpoints.types import EndpointState
@@ -37,6 +59,11 @@ from picker.core.scheduling.types import Cycle
 MIN_MEASURED_TOKENS = 256
 """A first byte after fewer prefill tokens (its own and those queued ahead) is not a sample:
 short prefills are dominated by fixed overheads."""
+
+RECONCILE_GRACE_S = 0.05
+"""Requests sent less than this before a scrape are left out of :meth:`Accounting.reconcile`:
+vLLM updates its queue gauges once per engine step, so a request that has just arrived may not
+be in the scraped ``waiting`` yet."""
 
 
 @dataclass(slots=True)
@@ -50,6 +77,10 @@ class Ticket:
     queued_tokens: int
     """Prefill tokens pending on ``state`` when the request was sent (ahead of it)."""
     started: float
+    due: float = 0.0
+    """Predicted end of its prefill on ``state`` (the module docstring)."""
+    pending: bool = True
+    """Its uncached tokens are still counted in ``state.load.pending_prefill_tokens``."""
     first_token_at: float = 0.0
     done: bool = False
     matched_blocks: int = 0
@@ -94,37 +125,74 @@ class Accounting:
         self._charge(ticket)
         return ticket
 
-    @staticmethod
-    def _charge(ticket: Ticket) -> None:
-        load = ticket.state.load
-        load.in_flight_requests += 1
-        load.in_flight_tokens += ticket.prompt_tokens
-        if not ticket.first_token_at:
+    def _charge(self, ticket: Ticket) -> None:
+        load, model = ticket.state.load, ticket.state.model
+        if ticket.pending:
+            now = self.clock()
+            running = load.in_flight_requests
+            load.prefill_busy_until = (
+                max(now, load.prefill_busy_until) + ticket.uncached_tokens / model.prefill_rate
+            )
+            ticket.due = load.prefill_busy_until + model.step_s(running)
+            load.prefill_due.append(ticket)
             load.pending_prefill_tokens += ticket.uncached_tokens
             load.pending_requests += 1
+        load.in_flight_requests += 1
+        load.in_flight_tokens += ticket.prompt_tokens
 
     @staticmethod
-    def _discharge(ticket: Ticket) -> None:
+    def _release(ticket: Ticket) -> None:
+        """The ticket's prefill is no longer pending (at most once)."""
+        if not ticket.pending:
+            return
+        ticket.pending = False
+        load = ticket.state.load
+        load.pending_prefill_tokens = max(0, load.pending_prefill_tokens - ticket.uncached_tokens)
+        load.pending_requests -= 1
+        assert load.pending_requests >= 0, f"{ticket.state.key}: pending requests went negative"
+
+    def _discharge(self, ticket: Ticket) -> None:
         load, key = ticket.state.load, ticket.state.key
-        if not ticket.first_token_at:
-            load.pending_prefill_tokens = max(0, load.pending_prefill_tokens - ticket.uncached_tokens)
-            load.pending_requests -= 1
+        self._release(ticket)
         load.in_flight_requests -= 1
         load.in_flight_tokens -= ticket.prompt_tokens
         assert load.in_flight_requests >= 0, f"{key}: in-flight requests went negative"
         assert load.in_flight_tokens >= 0, f"{key}: in-flight tokens went negative"
-        assert load.pending_requests >= 0, f"{key}: pending requests went negative"
 
     def move(self, ticket: Ticket, new: EndpointState, uncached_tokens: int, matched_blocks: int) -> None:
         """Re-credit a live ticket to ``new``: its in-flight counts and, if its prefill is still
         pending, its pending prefill move there."""
         assert not ticket.done, "a finished ticket cannot move"
+        pending = ticket.pending
         self._discharge(ticket)
         ticket.state = new
         ticket.matched_blocks = matched_blocks
         ticket.uncached_tokens = uncached_tokens
         ticket.queued_tokens = new.load.pending_prefill_tokens
+        ticket.pending = pending
         self._charge(ticket)
+
+    def expire(self, states: Iterable[EndpointState]) -> None:
+        """Release the pending prefills predicted done by now (``Ticket.due``) on ``states``.
+        Amortised O(1) per ticket: each is appended and popped once."""
+        now = self.clock()
+        for state in states:
+            due = state.load.prefill_due
+            while due and due[0].due <= now:
+                ticket = due.popleft()
+                if ticket.state is state:  # else moved: its entry on the new endpoint counts
+                    self._release(ticket)
+
+    def reconcile(self, state: EndpointState) -> None:
+        """After a scrape: of the requests sent at least :data:`RECONCILE_GRACE_S` before it, at
+        most ``waiting + 1`` can still be in prefill (FCFS admission); release the older ones."""
+        due, m = state.load.prefill_due, state.metrics
+        cutoff = m.updated_at - RECONCILE_GRACE_S
+        before = [t for t in due if t.pending and t.state is state and t.started <= cutoff]
+        for ticket in before[: max(0, len(before) - int(m.waiting) - 1)]:
+            self._release(ticket)
+        while due and not (due[0].pending and due[0].state is state):
+            due.popleft()
 
     def first_token(self, ticket: Ticket, measure: bool = True) -> None:
         """The first response byte: the request's prefill is no longer pending. With ``measure``
@@ -135,8 +203,7 @@ class Accounting:
         now = self.clock()
         ticket.first_token_at = now
         load = ticket.state.load
-        load.pending_prefill_tokens = max(0, load.pending_prefill_tokens - ticket.uncached_tokens)
-        load.pending_requests -= 1
+        self._release(ticket)
         elapsed = now - ticket.started
         work = ticket.uncached_tokens + ticket.queued_tokens
         if measure and elapsed > 0 and work >= MIN_MEASURED_TOKENS:

@@ -5,8 +5,8 @@ The ext_proc server and the simulator's cluster mode both drive a :class:`Router
     decision = router.route(req)          # may raise PickerError subclasses
     ticket = router.start(decision)       # request sent: index records the pick, in-flight += 1
     router.recredit(ticket, served_key)   # Envoy served a fallback: move the ticket there
-    router.first_token(ticket, measure)   # first response byte: prefill done
-    router.on_scrape(state)               # after each scrape: KV capacity, calibrated load model
+    router.first_token(ticket, measure)   # first response byte (if Envoy sends bodies): prefill done
+    router.on_scrape(state)               # after each scrape: KV capacity, load model, queue check
     router.finish(ticket)                 # end, error, reset or disconnect; idempotent
 
 Invariant: every ``start`` is matched by exactly one effective ``finish`` (later calls are
@@ -209,6 +209,7 @@ class Router:
                 raise NoEndpoints("no ready endpoint in the gateway's subset")
         if not candidates:
             raise NoEndpoints("no ready endpoint in the pool")
+        self.accounting.expire(candidates)
         cyc, hashes, keys = self.cycle(req, candidates)
         profile = self.profiles[policy] if policy else self.profile
         result = profile.run(cyc, candidates, 1 + self.cfg.fallbacks, commit)
@@ -283,6 +284,7 @@ class Router:
         """``state.metrics`` was just replaced by a successful scrape."""
         self.refresh_capacity(state)
         self.calibrator.observe(state)
+        self.accounting.reconcile(state)
 
     def refresh_capacity(self, state: EndpointState) -> None:
         """Size the endpoint's LRU from its ``vllm:cache_config_info`` (KV blocks × block tokens),

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from picker.core.accounting import Ticket
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +122,15 @@ class Load:
     pending_prefill_tokens: int = 0
     """Estimated uncached prompt tokens of requests sent here that have not produced a first byte."""
     pending_requests: int = 0
-    """Requests sent here that have not produced a first byte (those ``pending_prefill_tokens``
+    """Requests sent here whose prefill is still pending (those ``pending_prefill_tokens``
     counts): the part of the scraped waiting queue whose work the picker knows exactly."""
+    prefill_busy_until: float = 0.0
+    """When the prefills sent here are predicted to be done (accounting's clock): each request
+    sent adds its uncached tokens / the calibrated prefill rate after the later of now and this."""
+    prefill_due: deque[Ticket] = field(default_factory=deque)
+    """Tickets whose prefill is pending, in send order, each released at its predicted prefill
+    end (``Ticket.due``) unless a first byte or the scraped queue releases it first. Entries of
+    released, finished or moved tickets are dropped lazily as the head passes them."""
     first_byte_rate: float = 0.0
     """Cross-check only (the cost scorer does not read it): observed per-request prefill
     throughput in tokens/s (EWMA over 2xx streamed responses); 0 means no observation yet."""

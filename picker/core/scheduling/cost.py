@@ -7,10 +7,12 @@ endpoint's calibrated load model (:mod:`picker.core.calibration`, ``EndpointStat
 
 - ``uncached(e)``: the request's prompt tokens minus those the prefix index says ``e`` holds.
 - ``queued(e)``: prefill work ahead of the request, in tokens: the uncached tokens we sent to
-  ``e`` that have not produced a first byte yet (known exactly), plus the waiting requests we did
-  not send (the scraped queue minus our requests still in prefill): the other picker replicas'
-  reported pending prefill (``picker.core.peers``), or the endpoint's measured uncached tokens per
-  request each, whichever is larger. Charging every waiting request the average instead
+  ``e`` whose prefill is still pending (:mod:`picker.core.accounting`: until its predicted end,
+  the scraped queue, or a first byte says it is done), plus the waiting requests we did not send
+  (the scraped queue minus our requests still pending): the other picker replicas' reported
+  pending prefill (``picker.core.peers``), or the endpoint's measured uncached tokens per request
+  each, whichever is larger. A request released too early by the prediction is still in the
+  scraped queue, so it is counted there. Charging every waiting request the average instead
   double-counts our own cheap cache hits queued on a prefix's holder and spills hot prefixes
   needlessly.
 - ``rate(e)``: the endpoint's prefill rate in uncached tokens/s, measured from its own
