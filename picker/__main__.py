@@ -208,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the other picker replicas' --peer-bind addresses, comma-separated (tcp://10.0.0.7:5560,...)",
     )
     r.add_argument(
+        "--peers-dns",
+        default="",
+        help="HOST:PORT whose addresses are the picker replicas' --peer-bind (a headless Service), "
+        "re-resolved every 5 s so restarted and added replicas are found; needs --peer-bind",
+    )
+    r.add_argument(
         "--tokenizer",
         default=None,
         help="directory with the model's tokenizer.json and tokenizer_config.json (precise matching of text prompts)",
@@ -365,7 +371,14 @@ def _peer_options(args: argparse.Namespace) -> dict[str, Any]:
         local = workers.peer_addresses(args.worker_dir, args.workers)
         binds.append(local[args.worker_index])
         peers += [a for i, a in enumerate(local) if i != args.worker_index]
-    return {"peer_bind": ",".join(binds), "peers": tuple(peers), "reuse_port": args.workers > 1}
+    if args.peers_dns and not binds:
+        raise ValueError("--peers-dns needs --peer-bind (the peers subscribe to this picker there)")
+    return {
+        "peer_bind": ",".join(binds),
+        "peers": tuple(peers),
+        "peer_dns": args.peers_dns,
+        "reuse_port": args.workers > 1,
+    }
 
 
 if __name__ == "__main__":

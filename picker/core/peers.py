@@ -20,8 +20,14 @@ ints, or it is dropped (counted in ``bad``). Our SUB sockets connect out to the 
 addresses only, so a pod that can reach our port cannot inject picks: it would have to be a peer.
 Sending never blocks (PUB drops at its high-water mark).
 
-State: ``bad`` / ``received`` / ``picks`` counters and ``_loads`` (peer → (heard at, report)), written by
-:meth:`run` only; the ``peer_load`` of the pool's endpoint states, written only here.
+Discovery: the static ``peers`` addresses, plus, with ``peer_dns`` (``host:port``, e.g. a headless
+Service naming every picker pod), whatever that name resolves to, re-resolved every
+``dns_interval_s`` (5 s): a new address is connected, a vanished one disconnected, so a restarted or
+added picker pod (a new IP) is heard within one interval and scaling needs no restart. Our own
+address may be among them: our own messages are recognised by ``ident`` and skipped.
+
+State: ``bad`` / ``received`` / ``picks`` / ``own`` counters, ``_loads`` (peer → (heard at, report)) and
+``discovered`` (addresses connected through ``peer_dns``), written by :meth:`run` and its tasks only; the ``peer_load`` of the pool's endpoint states, written only here.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -46,6 +53,17 @@ LOAD = b"load"
 MAX_BLOCKS = 1 << 16
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 _INT60 = (1 << 60) - 1
+Resolver = Callable[[str], Awaitable[set[str]]]
+
+
+async def resolve(host: str) -> set[str]:
+    """Every IPv4/IPv6 address ``host`` names (the event loop's getaddrinfo: a worker thread)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    return {str(info[4][0]) for info in infos}
+
+
+def zmq_address(ip: str, port: int) -> str:
+    return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
 
 
 class Peers:
@@ -58,8 +76,17 @@ class Peers:
         clock: Callable[[], float] = time.monotonic,
         load_interval_s: float = 0.05,
         load_ttl_s: float = 1.0,
+        peer_dns: str = "",
+        dns_interval_s: float = 5.0,
+        resolver: Resolver = resolve,
     ) -> None:
         self.router, self.peers, self.clock = router, list(peers), clock
+        self.peer_dns, self.dns_interval_s, self.resolver = peer_dns, dns_interval_s, resolver
+        if peer_dns:
+            host, _, port = peer_dns.rpartition(":")
+            if not (host and port.isdigit()):
+                raise ValueError(f"peer DNS name must be host:port, got {peer_dns!r}")
+        self.discovered: set[str] = set()
         self.load_interval_s, self.load_ttl_s = load_interval_s, load_ttl_s
         self._loads: dict[str, tuple[float, dict[str, list[int]]]] = {}
         self.ident = ident or f"{os.getpid()}-{os.urandom(4).hex()}"
@@ -71,6 +98,7 @@ class Peers:
             self._pub.bind(address)
         self.received = 0
         self.picks = 0
+        self.own = 0
         self.bad = 0
         router.on_pick = self.publish
 
@@ -87,7 +115,8 @@ class Peers:
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             log.debug("bad peer message: %s", exc)
             return False
-        if ident == self.ident:
+        if ident == self.ident:  # our own, heard back through the peer name
+            self.own += 1
             return True
         if not (isinstance(endpoint, str) and self.router.pool.get(endpoint) is not None):
             return False
@@ -152,6 +181,25 @@ class Peers:
             self.refresh_loads()
             await asyncio.sleep(self.load_interval_s)
 
+    async def _discover(self, sub: zmq.asyncio.Socket) -> None:
+        """Keep ``sub`` connected to every address ``peer_dns`` resolves to (module doc)."""
+        host, _, port = self.peer_dns.rpartition(":")
+        while True:
+            try:
+                now = {zmq_address(ip, int(port)) for ip in await self.resolver(host.strip("[]"))}
+            except OSError as exc:  # NXDOMAIN while no picker pod is ready yet: keep what we have
+                log.debug("peer DNS %s: %s", host, exc)
+            else:
+                for address in sorted(now - self.discovered - set(self.peers)):
+                    sub.connect(address)
+                for address in sorted(self.discovered - now):
+                    with contextlib.suppress(zmq.ZMQError):
+                        sub.disconnect(address)
+                if now != self.discovered:
+                    log.info("peer pickers via %s: %s", self.peer_dns, ", ".join(sorted(now)) or "none")
+                self.discovered = now - set(self.peers)
+            await asyncio.sleep(self.dns_interval_s)
+
     async def run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
@@ -160,7 +208,9 @@ class Peers:
         sub.setsockopt(zmq.SUBSCRIBE, LOAD)
         for p in self.peers:
             sub.connect(p)
-        reporter = asyncio.create_task(self._report_loads())
+        helpers = [asyncio.create_task(self._report_loads())]
+        if self.peer_dns:
+            helpers.append(asyncio.create_task(self._discover(sub)))
         try:
             while True:
                 frames = await sub.recv_multipart()
@@ -169,12 +219,14 @@ class Peers:
                 elif frames[0] == LOAD:
                     ok = self.apply_load(frames[1])
                 else:
+                    own = self.own
                     ok = self.apply(frames[1])
-                    self.picks += ok
+                    self.picks += ok and self.own == own
                 self.received += 1
                 self.bad += not ok
         finally:
-            reporter.cancel()
+            for task in helpers:
+                task.cancel()
             sub.close(linger=0)
 
     def close(self) -> None:

@@ -79,6 +79,8 @@ class ServerOptions:
     """ZMQ address this picker publishes its picks on (``tcp://*:5560``; "" = no peers)."""
     peers: tuple[str, ...] = ()
     """The other picker replicas' pick publishers (``tcp://host:5560``), subscribed to."""
+    peer_dns: str = ""
+    """``host:port`` naming every picker replica (a headless Service), re-resolved for peers."""
 
 
 class PickerServer:
@@ -164,7 +166,11 @@ class PickerServer:
         await self._set_health(False)
         runners: list[web.AppRunner] = []
         subs = self._subs = self._subscribers()
-        peers = Peers(self.router, self.opts.peer_bind, self.opts.peers) if self.opts.peer_bind else None
+        peers = (
+            Peers(self.router, self.opts.peer_bind, self.opts.peers, peer_dns=self.opts.peer_dns)
+            if self.opts.peer_bind
+            else None
+        )
         async with Scraper(self.pool, self.cfg.scrape, self._on_scrape, self._on_scrape_error):
             if subs is not None:
                 subs.attach(self.pool)

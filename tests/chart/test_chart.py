@@ -155,8 +155,10 @@ def test_defaults_picker_pool_and_rbac() -> None:
             "Deployment",
             "InferencePool",
             "NetworkPolicy",
+            "PodDisruptionBudget",
             "Role",
             "RoleBinding",
+            "Service",
             "Service",
             "ServiceAccount",
         ]
@@ -180,7 +182,7 @@ def test_defaults_picker_pool_and_rbac() -> None:
     cfg = picker_config.load(yaml.safe_load(cm["data"]["config.yaml"]))  # the picker's own loader
     assert cfg.policy == "cost"
 
-    svc = one(docs, "Service")
+    svc = one(docs, "Service", f"{RELEASE}-picker")
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {
         "grpc": 9002,
         "grpc-health": 9003,
@@ -211,9 +213,7 @@ def test_defaults_picker_pool_and_rbac() -> None:
         binding["roleRef"]["kind"] == "Role"
         and binding["subjects"][0]["name"] == picker["serviceAccountName"]
     )
-    assert not [d for d in docs if d["kind"] == "PodDisruptionBudget"], (
-        "one replica: no PDB (see values.yaml)"
-    )
+    assert one(docs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1, "two pickers: one at a time"
 
 
 def kube_provider(args: argparse.Namespace) -> KubeProvider:
@@ -293,6 +293,7 @@ def test_simulator_replicas() -> None:
         "--host=0.0.0.0",
         "--port=8000",
         "--model=Qwen/Qwen2.5-7B-Instruct",
+        "--kv-events-port=5557",
         "--kv-blocks=2048",
     ]
     args = sim_parser().parse_args(c["args"])  # the simulator accepts every rendered flag

@@ -43,13 +43,16 @@ def _peer_admits(peer: dict[str, Any], pod: dict[str, str], ns: dict[str, str], 
     return ns_ok and _selects(peer.get("podSelector", {}), pod)
 
 
-def admitted(policy: dict[str, Any], pod: dict[str, str], ns: dict[str, str], port: int) -> bool:
-    """Whether ``policy`` lets a pod (labels, namespace labels) in another namespace reach ``port``."""
+def admitted(
+    policy: dict[str, Any], pod: dict[str, str], ns: dict[str, str], port: int, own_ns: bool = False
+) -> bool:
+    """Whether ``policy`` lets a pod (labels, namespace labels), in another namespace unless
+    ``own_ns``, reach ``port``."""
     for rule in policy["spec"]["ingress"]:
         if rule.get("ports") and port not in [p["port"] for p in rule["ports"]]:
             continue
         peers = rule.get("from")
-        if not peers or any(_peer_admits(p, pod, ns, own_ns=False) for p in peers):
+        if not peers or any(_peer_admits(p, pod, ns, own_ns) for p in peers):
             return True
     return False
 
@@ -116,20 +119,27 @@ def test_debug_api_off_and_metrics_on_9090() -> None:
     args = build_parser().parse_args(container["args"])
     assert args.enable_debug_api is False and args.enable_explain_grpc is False
     assert args.metrics_port == 9090
-    assert [p["containerPort"] for p in container["ports"]] == [9002, 9003, 9090]
-    assert {p["port"] for p in one(docs, "Service")["spec"]["ports"]} == {9002, 9003, 9090}
+    assert [p["containerPort"] for p in container["ports"]] == [9002, 9003, 9090, 5560]
+    assert {p["port"] for p in one(docs, "Service", f"{RELEASE}-picker")["spec"]["ports"]} == {
+        9002,
+        9003,
+        9090,
+    }
 
 
 def test_replicas_and_pdb_agree() -> None:
-    docs = render({})
-    assert one(docs, "Deployment", f"{RELEASE}-picker")["spec"]["replicas"] == 1
-    assert not [d for d in docs if d["kind"] == "PodDisruptionBudget"]
-    two = render({"picker": {"replicas": 2, "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1}}})
+    """Two pickers and a PDB by default (a drain evicts one at a time); one picker needs the PDB off."""
+    two = render({})
+    assert one(two, "Deployment", f"{RELEASE}-picker")["spec"]["replicas"] == 2
     pdb = one(two, "PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"].items() <= picker_labels(two).items()
     with pytest.raises(helm_python.HelmValuesError, match="minimum"):
-        render({"picker": {"podDisruptionBudget": {"enabled": True, "maxUnavailable": 1}}})
+        render({"picker": {"replicas": 1}})
+    single = render(
+        {"picker": {"replicas": 1, "podDisruptionBudget": {"enabled": False, "maxUnavailable": 1}}}
+    )
+    assert not [d for d in single if d["kind"] == "PodDisruptionBudget"]
 
 
 def test_kind_gateway_is_admitted_by_the_default_policy() -> None:
@@ -150,4 +160,4 @@ def test_kind_gateway_is_admitted_by_the_default_policy() -> None:
 
 def test_values_say_what_two_pickers_do() -> None:
     text = (CHART / "values.yaml").read_text()
-    assert "hit rate" in text and "active-passive" in text
+    assert "agree" in text and "active-active" in text

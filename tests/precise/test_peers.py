@@ -13,7 +13,7 @@ import pytest
 from picker.core.config import PrefixConfig, RouterConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
-from picker.core.peers import Peers
+from picker.core.peers import Peers, resolve, zmq_address
 from picker.core.prefix.events import State, Sync
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
@@ -119,3 +119,76 @@ async def test_in_flight_work_is_shared_and_a_dead_peers_fades() -> None:
         await until(
             lambda: sum(s.peer_load.in_flight_requests for s in b.pool) == 0, "a dead peer's load fades"
         )
+
+
+async def test_peers_found_by_dns_follow_restarts_and_scaling() -> None:
+    """Peers named by a DNS name (the chart's headless Service): pods on their own IPs, one port.
+    A picker added to the name is heard within one re-resolution, a restarted one (same address,
+    new process) is heard again, and one that leaves the name is disconnected. The name's answer is
+    a table here (no DNS server to change records in); ``resolve`` itself is checked on localhost."""
+    port = free_port()
+    names: set[str] = {"127.0.0.1"}
+
+    async def table(host: str) -> set[str]:
+        assert host == "kvpick-peers.serving.svc"
+        return set(names)
+
+    def peer(r: Router, ip: str, ident: str) -> Peers:
+        return Peers(
+            r, f"tcp://{ip}:{port}", [], ident, peer_dns=f"kvpick-peers.serving.svc:{port}",
+            dns_interval_s=0.1, resolver=table,
+        )  # fmt: skip
+
+    a, b = router("precise"), router("precise")
+    peer_a, peer_b = peer(a, "127.0.0.1", "a"), peer(b, "127.0.0.2", "b")
+    tasks = {"a": asyncio.create_task(peer_a.run()), "b": asyncio.create_task(peer_b.run())}
+    req = InferenceRequest(model="m", routing_text="x", prompt_token_ids=list(range(16 * 8)))
+    try:
+        await until(lambda: peer_b.discovered == {f"tcp://127.0.0.1:{port}"}, "B found A")
+        await asyncio.sleep(0.3)  # slow joiner
+        a.start(a.route(req))
+        await until(lambda: peer_b.picks >= 1, "B hears A")
+        b.start(b.route(req))
+        await asyncio.sleep(0.5)
+        assert peer_a.picks == 0, "B is not in the name yet: A does not listen to it"
+        names.add("127.0.0.2")  # scaled up: B's pod became ready
+        await until(lambda: len(peer_a.discovered) == 2, "A found B")
+        await hears(peer_a, b, req, "A hears B once the name lists it")
+        tasks["b"].cancel()  # B's pod restarts: same address, a new process
+        with contextlib.suppress(asyncio.CancelledError):
+            await tasks["b"]
+        peer_b.close()
+        b2 = router("precise")
+        peer_b2 = peer(b2, "127.0.0.2", "b2")
+        tasks["b"] = asyncio.create_task(peer_b2.run())
+        await hears(peer_a, b2, req, "A hears the restarted B")
+        names.discard("127.0.0.2")  # scaled down
+        await until(lambda: peer_a.discovered == {f"tcp://127.0.0.1:{port}"}, "A drops B")
+    finally:
+        for t in tasks.values():
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        peer_a.close()
+        if "peer_b2" in locals():
+            peer_b2.close()
+
+
+async def hears(listener: Peers, sender: Router, req: InferenceRequest, what: str) -> None:
+    """``sender`` picks until ``listener`` has heard one (a new subscription drops what comes
+    before its connection completes: ZMQ's slow joiner)."""
+    picks = listener.picks
+    for _ in range(50):
+        sender.start(sender.route(req))
+        if listener.picks > picks:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(what)
+
+
+async def test_resolve_names_every_address() -> None:
+    assert "127.0.0.1" in await resolve("localhost")
+    assert zmq_address("10.1.2.3", 5560) == "tcp://10.1.2.3:5560"
+    assert zmq_address("fd00::1", 5560) == "tcp://[fd00::1]:5560"
+    with pytest.raises(ValueError, match="host:port"):
+        Peers(router("precise"), f"tcp://127.0.0.1:{free_port()}", [], peer_dns="no-port")
