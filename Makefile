@@ -44,7 +44,7 @@ proto: $(STAMP_CORE)  ## regenerate picker/_proto from proto/ (committed)
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check picker replica bench tests proto
+	$(VENV)/bin/ruff format --check picker replica bench tests proto kvlaunch
 
 typecheck: install
 	$(VENV)/bin/mypy

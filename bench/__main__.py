@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from replica.sim.stack import Children
+from kvlaunch import Procs
 
 from . import ideal, report, runner, suites, targets
 from .fleet import Fleet, FleetConfig
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    children = Children(run_dir)
+    children = Procs(run_dir)
     fleet = Fleet(FleetConfig(s.replicas, s.profile, s.time_scale), children)
     notes: list[str] = []
     try:

@@ -37,14 +37,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 
-from replica.sim.stack import ENVOY, PY, ROOT, Children, wait_port
+from kvlaunch import PY, ROOT, Procs, Stack, free_port, http, wait_port
 
-from .fleet import free_port, http
+from .routers import PEERS, start_peer
 
-PEERS = ("vllm-router", "sglang-router")
 STREAM_EVENTS = 256
 """Events per streamed response (``bench.upstream``'s default ``--chunks``)."""
-_VENV_BIN = pathlib.Path(PY).parent
 _TICK = os.sysconf("SC_CLK_TCK")
 WRK_MISSING = (
     "bench.datapath needs wrk (an HTTP load generator, Debian package 'wrk'):\n"
@@ -158,36 +156,23 @@ class Target:
     envoy_pid: int | None = None
 
 
-def _kvpick(name: str, variant: tuple[list[str], list[str]], ups: list[str], children: Children) -> Target:
+def _kvpick(name: str, variant: tuple[list[str], list[str]], ports: list[int], procs: Procs) -> Target:
+    """Our picker behind Envoy (the shared launcher), its processes logged under ``name/``."""
     render_args, picker_args = variant
-    grpc, health, metrics, listen, admin = (free_port() for _ in range(5))
-    args = ["--endpoints", ",".join(ups), "--host", "127.0.0.1", "--log-level", "warning", *picker_args]
-    args += ["--grpc-port", str(grpc), "--grpc-health-port", str(health), "--metrics-port", str(metrics)]
-    picker = children.start(f"{name}-picker", [PY, "-m", "picker", *args])
-    cfg = children.run_dir / f"{name}-envoy.yaml"
-    render = [PY, str(ROOT / "deploy/envoy/render.py"), "--listen-port", str(listen)]
-    render += ["--admin-port", str(admin), "--picker", f"127.0.0.1:{grpc}", *render_args]
-    subprocess.run([*render, "-o", str(cfg)], check=True, cwd=ROOT)
-    envoy = children.start(
-        f"{name}-envoy", [ENVOY, "-c", str(cfg), "-l", "warning", "--base-id", str(listen)]
-    )
-    for port in (metrics, grpc, listen):
-        wait_port(port, children)
-    return Target(f"http://127.0.0.1:{listen}", picker.pid, envoy.pid)
+    d = procs.run_dir / name
+    d.mkdir(exist_ok=True)
+    st = Stack(Procs(d), ports)
+    try:
+        picker = st.start_picker("--log-level", "warning", *picker_args, debug=False)
+        envoy = st.start_envoy(*render_args)
+    finally:
+        procs.procs += [
+            (f"{name}/{n}", p) for n, p in st.procs.procs
+        ]  # stopped, and logs read, with the rest
+    return Target(st.url, picker.pid, envoy.pid)
 
 
-def _peer(name: str, ups: list[str], children: Children) -> Target:
-    port, prom = free_port(), free_port()
-    exe = str(_VENV_BIN / name)
-    args = [exe, "launch"] if name == "sglang-router" else [exe]
-    args += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *(f"http://{u}" for u in ups)]
-    args += ["--policy", "cache_aware", "--prometheus-port", str(prom), "--prometheus-host", "127.0.0.1"]
-    proc = children.start(name, args)
-    wait_port(port, children, timeout=120)
-    return Target(f"http://127.0.0.1:{port}", proc.pid)
-
-
-def _wait_routable(t: Target, children: Children, timeout: float = 60.0) -> None:
+def _wait_routable(t: Target, children: Procs, timeout: float = 60.0) -> None:
     body = make_body(200, False)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -202,7 +187,7 @@ def _wait_routable(t: Target, children: Children, timeout: float = 60.0) -> None
 def check_answer(name: str, t: Target, case: Case) -> None:
     """One request of ``case`` through ``t`` gets what the upstream sends: the whole SSE stream
     (every event, then [DONE]) for a streaming case, the JSON completion otherwise."""
-    status, got = http("POST", t.url + "/v1/chat/completions", make_body(case.body_bytes, case.stream))
+    status, got, _ = http("POST", t.url + "/v1/chat/completions", make_body(case.body_bytes, case.stream))
     assert status == 200, f"{name}: {status} {got[:200]!r}"
     if case.stream:
         events = got.count(b"data: ")
@@ -217,21 +202,22 @@ def check_answer(name: str, t: Target, case: Case) -> None:
 def stack(
     routers: list[str], variants: dict[str, tuple[list[str], list[str]]], run_dir: pathlib.Path
 ) -> Iterator[dict[str, Target]]:
-    children = Children(run_dir)
+    children = Procs(run_dir)
     try:
         ports = [free_port(), free_port()]
         ups = [f"127.0.0.1:{p}" for p in ports]
         children.start("upstream", [PY, "-m", "bench.upstream", "--ports", ",".join(map(str, ports))])
         for p in ports:
-            wait_port(p, children)
+            wait_port(p, procs=children)
         targets: dict[str, Target] = {}
         for name in routers:
             if name == "direct":
                 targets[name] = Target(f"http://{ups[0]}", None)
             elif name in PEERS:
-                targets[name] = _peer(name, ups, children)
+                url, proc = start_peer(name, [f"http://{u}" for u in ups], children)
+                targets[name] = Target(url, proc.pid)
             else:
-                targets[name] = _kvpick(name, variants.get(name, ([], [])), ups, children)
+                targets[name] = _kvpick(name, variants.get(name, ([], [])), ports, children)
         for t in targets.values():
             _wait_routable(t, children)
         yield targets

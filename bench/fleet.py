@@ -1,35 +1,17 @@
 """The simulated replicas a benchmark runs against: started once, caches reset between routers.
 
-Process handling is ``replica.sim.stack``'s (``Children``, ``wait_port``): each child runs in its
+Process handling is :mod:`kvlaunch`'s (``Procs``, ``wait_port``): each child runs in its
 own process group, logs to ``run_dir/NAME.log``, and is stopped with its group.
 """
 
 from __future__ import annotations
 
-import socket
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 
+from kvlaunch import PY, Procs, free_port, http, wait_port
 from picker.core.endpoints.types import EndpointMetrics
 from picker.core.scrape import parse_metrics
-from replica.sim.stack import PY, Children, wait_port
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def http(method: str, url: str, body: bytes | None = None, timeout: float = 10.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=body, method=method, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
 
 
 @dataclass
@@ -54,7 +36,7 @@ class Fleet:
     """N ``python -m replica.sim`` processes on free loopback ports."""
 
     cfg: FleetConfig
-    children: Children
+    children: Procs
     ports: list[int] = field(default_factory=list)
 
     @property
@@ -73,7 +55,7 @@ class Fleet:
             args += ["--time-scale", str(c.time_scale), *c.extra_args]
             self.children.start(f"replica-{i}", [PY, "-m", "replica.sim", *args])
         for port in self.ports:
-            wait_port(port, self.children)
+            wait_port(port, procs=self.children)
 
     def reset(self, timeout: float = 60.0) -> None:
         """Empty every replica's prefix cache; retried while requests still hold blocks (409)."""
@@ -81,7 +63,7 @@ class Fleet:
         deadline = time.monotonic() + timeout
         for url in self.urls:
             while True:
-                status, body = http("POST", url + "/reset_prefix_cache")
+                status, body, _ = http("POST", url + "/reset_prefix_cache")
                 if status == 200:
                     break
                 if time.monotonic() > deadline:
@@ -93,7 +75,7 @@ class Fleet:
         self.children.check()  # a dead replica is reported with its log tail, not as a refused connection
         out = []
         for url in self.urls:
-            _, text = http("GET", url + "/metrics")
+            _, text, _ = http("GET", url + "/metrics")
             out.append(parse_metrics(text.decode()))
         return out
 

@@ -23,8 +23,6 @@ import multiprocessing
 import os
 import pathlib
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,16 +33,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from kvlaunch import Procs, Stack, free_port
+
 CHUNK = 64 * 1024
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _headers(path: str = "/v1/chat/completions") -> pb.HttpHeaders:
@@ -115,35 +106,21 @@ async def _probe_for(port: int, seconds: float) -> list[float]:
     return out
 
 
-def start_picker(offload_bytes: int, tmp: pathlib.Path) -> tuple[subprocess.Popen[bytes], int]:
-    port = _free_port()
-    cfg = tmp / f"cfg-{offload_bytes}.yaml"
+def start_picker(offload_bytes: int, procs: Procs) -> int:
+    """A picker (plaintext ext_proc, no Envoy: the probes speak ext_proc themselves) through the
+    shared launcher, over 4 endpoints that are never scraped; returns its ext_proc port."""
+    d = procs.run_dir / f"offload-{offload_bytes}"
+    d.mkdir(exist_ok=True)
+    cfg = d / "config.yaml"
     cfg.write_text(f"parse_offload_bytes: {offload_bytes}\n")
-    eps = ",".join(f"127.0.0.1:{_free_port()}" for _ in range(4))
-    args = [
-        sys.executable,
-        "-m",
-        "picker",
-        "--endpoints",
-        eps,
-        "--host",
-        "127.0.0.1",
-        "--grpc-port",
-        str(port),
-    ]
-    args += ["--grpc-health-port", str(_free_port()), "--metrics-port", str(_free_port())]
-    args += ["--secure-serving", "false", "--scrape-interval", "3600", "--config-file", str(cfg)]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                grpc.channel_ready_future(ch).result(timeout=0.5)
-            time.sleep(1.5)  # the parse worker spawns at start
-            return proc, port
-        except grpc.FutureTimeoutError:
-            assert proc.poll() is None, "picker exited"
-    raise TimeoutError("picker did not start")
+    st = Stack(Procs(d), [free_port() for _ in range(4)])
+    try:
+        args = ["--secure-serving", "false", "--scrape-interval", "3600", "--config-file", str(cfg)]
+        st.start_picker(*args, debug=False)
+    finally:
+        procs.procs += [(f"offload-{offload_bytes}/{n}", p) for n, p in st.procs.procs]
+    time.sleep(1.5)  # the parse worker spawns at start
+    return st.grpc_port
 
 
 def run_once(port: int, kind: str, size: int, count: int, gap: float) -> dict[str, float]:
@@ -177,21 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     size = int(a.size_mib * 1024 * 1024)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        pickers = {
-            name: start_picker(b, pathlib.Path(tmp)) for name, b in (("offload", 512 * 1024), ("inline", 0))
-        }
+        procs = Procs(pathlib.Path(tmp))
         try:
+            pickers = {name: start_picker(b, procs) for name, b in (("offload", 512 * 1024), ("inline", 0))}
             for kind in a.kinds.split(","):
                 runs: dict[str, list[dict[str, float]]] = {n: [] for n in pickers}
                 for _ in range(a.repeats):
-                    for name, (_, port) in pickers.items():  # side by side, interleaved
+                    for name, port in pickers.items():  # side by side, interleaved
                         runs[name].append(run_once(port, kind, size, a.bodies, a.gap))
                 for name, rs in runs.items():
                     rows.append((kind, name, rs))
         finally:
-            for proc, _ in pickers.values():
-                proc.terminate()
-                proc.wait(10)
+            procs.stop()
     print(f"{a.size_mib:g} MiB bodies, {a.bodies} per run, {a.repeats} runs; median [min–max] over runs\n")
     print(
         "| body | parsing | probe p50 no load ms | probe p99 with large bodies ms | worst probe ms | stall ms |"

@@ -1,6 +1,6 @@
 """Throughput through a real Envoy + picker, against the same upstreams hit directly.
 
-The stack is the one the Envoy tests use (``tests.support.procs``): ``python -m tests.support.upstream``
+The stack is the one the Envoy tests use (``kvlaunch``): ``python -m kvlaunch.upstream``
 upstreams, ``python -m picker`` (TLS ext_proc, cost policy), and Envoy rendered by
 ``deploy/envoy/render.py``. A fixed number of aiohttp workers post 32 KB ``/v1/completions`` bodies
 (16 shared prefixes, unique tails) for ``duration_s``; the baseline posts the same bodies straight
@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 
 from bench.picker_inproc import text
-from tests.support.procs import stack
+from kvlaunch import stack
 
 
 @dataclass(frozen=True)

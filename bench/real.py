@@ -35,11 +35,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from replica.sim.stack import Children
+from kvlaunch import Procs, free_port, http
 from replica.vllm.tiny import ENV, build_tiny, command
 
 from . import loadgen, stats
-from .fleet import Fleet, FleetConfig, free_port, http
+from .fleet import Fleet, FleetConfig
 from .routers import router
 from .workloads import Workload, multi_turn, no_sharing, shared_prefix
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvpick-real-"))
     model_dir = build_tiny(pathlib.Path(a.model_dir) if a.model_dir else run_dir)
-    children = Children(run_dir)
+    children = Procs(run_dir)
     fleet = VllmFleet(FleetConfig(replicas=2, model=MODEL), children, model_dir=model_dir)
     t0 = time.monotonic()
     try:

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 
 import orjson
 
-from replica.sim.stack import ENVOY, PY, ROOT, Children, wait_port
+from kvlaunch import PY, Procs, Stack, free_port, http, wait_port
 
-from .fleet import Fleet, free_port, http
+from .fleet import Fleet
 
 PICKER_POLICIES = ("cost", "weighted", "round-robin", "least-loaded")
 PEERS = ("vllm-router", "sglang-router")
@@ -29,35 +29,34 @@ ROUTERS = (*PICKER_POLICIES, *PEERS)
 _VENV_BIN = pathlib.Path(PY).parent
 
 
-def _picker_envoy(policy: str, fleet: Fleet, children: Children, config: str | None) -> str:
-    grpc, health, metrics, listen, admin = (free_port() for _ in range(5))
-    eps = ",".join(fleet.endpoints)
-    args = ["--endpoints", eps, "--policy", policy, "--host", "127.0.0.1", "--log-level", "warning"]
-    args += ["--grpc-port", str(grpc), "--grpc-health-port", str(health), "--metrics-port", str(metrics)]
-    args += ["--config-file", config] if config else []
-    children.start("picker", [PY, "-m", "picker", *args])
-    cfg = children.run_dir / "envoy.yaml"
-    render = [PY, str(ROOT / "deploy/envoy/render.py"), "--listen-port", str(listen)]
-    render += ["--admin-port", str(admin), "--picker", f"127.0.0.1:{grpc}", "--upstream", "pool"]
-    subprocess.run([*render, "--endpoints", eps, "-o", str(cfg)], check=True, cwd=ROOT)
-    children.start("envoy", [str(ENVOY), "-c", str(cfg), "-l", "warning", "--base-id", str(listen)])
-    for port in (metrics, grpc, listen):
-        wait_port(port, children)
-    return f"http://127.0.0.1:{listen}"
+def _picker_envoy(policy: str, fleet: Fleet, procs: Procs, config: str | None) -> str:
+    """Our picker behind Envoy (the shared launcher), Envoy in pool mode over the fleet."""
+    st = Stack(procs, fleet.ports)
+    st.start_picker(
+        "--policy",
+        policy,
+        "--log-level",
+        "warning",
+        *(["--config-file", config] if config else []),
+        debug=False,
+    )
+    st.start_envoy("--upstream", "pool", "--endpoints", ",".join(st.addresses))
+    return st.url
 
 
-def _peer(name: str, fleet: Fleet, children: Children) -> str:
+def start_peer(name: str, worker_urls: list[str], procs: Procs) -> tuple[str, subprocess.Popen[bytes]]:
+    """A peer router (``cache_aware``) over ``worker_urls``; (its URL, its process)."""
     port, prom = free_port(), free_port()
     exe = str(_VENV_BIN / name)
     args = [exe, "launch"] if name == "sglang-router" else [exe]
-    args += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *fleet.urls]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls]
     args += ["--policy", "cache_aware", "--prometheus-port", str(prom), "--prometheus-host", "127.0.0.1"]
-    children.start(name, args)
-    wait_port(port, children, timeout=120)
-    return f"http://127.0.0.1:{port}"
+    proc = procs.start(name, args)
+    wait_port(port, 120, procs=procs, proc=proc)
+    return f"http://127.0.0.1:{port}", proc
 
 
-def wait_routable(url: str, model: str, children: Children, timeout: float = 60.0) -> None:
+def wait_routable(url: str, model: str, children: Procs, timeout: float = 60.0) -> None:
     """Until one tiny completion goes through (the picker has scraped its endpoints, the peer
     has health-checked its workers)."""
     body = orjson.dumps({"model": model, "prompt": "ping", "max_tokens": 1})
@@ -66,7 +65,7 @@ def wait_routable(url: str, model: str, children: Children, timeout: float = 60.
     while time.monotonic() < deadline:
         children.check()
         with contextlib.suppress(OSError):
-            status, last = http("POST", url + "/v1/completions", body)
+            status, last, _ = http("POST", url + "/v1/completions", body)
             if status == 200:
                 return
         time.sleep(0.2)
@@ -85,10 +84,10 @@ def router(
         return
     d = run_dir / name
     d.mkdir(parents=True, exist_ok=True)
-    children = Children(d)
+    children = Procs(d)
     try:
         if name in PEERS:
-            url = _peer(name, fleet, children)
+            url, _ = start_peer(name, fleet.urls, children)
         else:
             url = _picker_envoy(name, fleet, children, picker_config)
         wait_routable(url, fleet.cfg.model, children)

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.procs import Stack, stack
+from kvlaunch import Stack, stack
 
 
 @pytest.fixture

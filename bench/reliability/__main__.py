@@ -7,7 +7,7 @@
 
 Each run stores its figures in ``bench/results/reliability.json`` (one section per command) and
 rewrites ``docs/reliability.md`` from that file. Run from the repository root (it reuses
-tests/support's process launcher). Heavy: wrap in ``flock /tmp/kvpick-heavy.lock`` on shared
+kvlaunch's process launcher). Heavy: wrap in ``flock /tmp/kvpick-heavy.lock`` on shared
 machines.
 """
 
@@ -35,7 +35,7 @@ DOC = ROOT / "docs" / "reliability.md"
 
 
 def run_fuzz(cases: int, seed: int, concurrency: int, drawn: float) -> dict[str, Any]:
-    from tests.support.procs import stack
+    from kvlaunch import stack
 
     start = time.monotonic()
     todo = fuzz.edge_cases(oversize=10) + fuzz.generate(cases, seed, drawn)

@@ -2,7 +2,7 @@
 SIGKILLed (fail-open and fail-close) and restarted, the picker SIGTERMed mid-stream, and the
 Kubernetes API answering 410 Gone or dropping its watches.
 
-Every scenario starts its own processes (tests/support/procs.py: upstream replicas, the picker,
+Every scenario starts its own processes (kvlaunch/procs.py: upstream replicas, the picker,
 a real Envoy), runs :class:`~bench.reliability.load.Load` through Envoy, injects the fault at
 ``t0`` and reads the figures from the request records. Times are seconds from the fault.
 """
@@ -22,8 +22,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import envoy_configs
-from tests.support.procs import PY, Procs, Stack, free_port, post_json, wait_port
+from kvlaunch import PY, Procs, Stack, envoy_configs, free_port, post_json, wait_port
 
 from . import checks
 from .load import Load, Record, summary
@@ -54,9 +53,7 @@ def _wait_addr(host: str, port: int, timeout: float = 30.0) -> None:
 def _one_upstream_each(st: Stack, host: str = "127.0.0.1") -> None:
     """Each replica in its own process (``up<i>``), so one can be killed or frozen."""
     for i, port in enumerate(st.upstreams):
-        proc = st.procs.start(
-            f"up{i}", [PY, "-m", "tests.support.upstream", "--ports", str(port), "--host", host]
-        )
+        proc = st.procs.start(f"up{i}", [PY, "-m", "kvlaunch.upstream", "--ports", str(port), "--host", host])
         wait_port(port, proc=proc)
 
 
@@ -116,7 +113,7 @@ async def replica_fault(tmp: pathlib.Path, sig: signal.Signals, hold: float = 4.
             "in_flight_after": checks.wait_in_flight_zero(st.metrics_port),
         }
     finally:
-        st.procs.close()
+        st.procs.stop()
 
 
 async def picker_kill(
@@ -154,7 +151,7 @@ async def picker_kill(
             "in_flight_after": checks.wait_in_flight_zero(st.metrics_port),
         }
     finally:
-        st.procs.close()
+        st.procs.stop()
 
 
 async def picker_drain(tmp: pathlib.Path, streams: int = 16, length: float = 4.0) -> Figures:
@@ -187,7 +184,7 @@ async def picker_drain(tmp: pathlib.Path, streams: int = 16, length: float = 4.0
             "new_request_while_draining": during.status,
         }
     finally:
-        st.procs.close()
+        st.procs.stop()
 
 
 def _ready_pods(metrics_port: int) -> float:
@@ -203,7 +200,7 @@ async def kube_watch_faults(tmp: pathlib.Path, hold: float = 3.0) -> Figures:
     """Two replicas found through a fake Kubernetes API (InferencePool + pods, list/watch); under
     load the API compacts its history (410 Gone on the open watches), then drops every watch mid-
     event. ``min_ready_pods`` is sampled every 50 ms: no endpoint may be lost."""
-    from tests.kube.fakeapi import PODS, POOLS, FakeKube, pod, pool
+    from kvlaunch.fakekube import PODS, POOLS, FakeKube, pod, pool
 
     fake = FakeKube()
     server = await fake.start()
@@ -221,7 +218,7 @@ async def kube_watch_faults(tmp: pathlib.Path, hold: float = 3.0) -> Figures:
         fake.put(PODS, "ns", pod(f"r{i}", ip=ip, labels=labels))
     try:
         for i, ip in enumerate(("127.0.0.2", "127.0.0.3")):
-            st.procs.start(f"up{i}", [PY, "-m", "tests.support.upstream", "--ports", str(port), "--host", ip])
+            st.procs.start(f"up{i}", [PY, "-m", "kvlaunch.upstream", "--ports", str(port), "--host", ip])
             await asyncio.to_thread(_wait_addr, ip, port)
         kube = ("--pool-name", "llm", "--pool-namespace", "ns")
         env = {"KUBECONFIG": str(kubeconfig)}
@@ -251,5 +248,5 @@ async def kube_watch_faults(tmp: pathlib.Path, hold: float = 3.0) -> Figures:
             "replicas_serving": len(served),
         }
     finally:
-        st.procs.close()
+        st.procs.stop()
         await fake.stop()

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.support.procs import PY, Procs, Stack, free_port, wait_port
+from kvlaunch import PY, Procs, Stack, free_port, wait_port
 
 from . import checks
 
@@ -93,7 +93,7 @@ async def soak(
         for i, port in enumerate(st.upstreams):
             args = [PY, "-m", "replica.sim", "--port", str(port), "--model", MODEL]
             proc = st.procs.start(f"sim{i}", [*args, "--profile", "h100-llama-3.1-8b"])
-            await asyncio.to_thread(wait_port, port, 60.0, proc)
+            await asyncio.to_thread(wait_port, port, 60.0, proc=proc)
         await asyncio.to_thread(st.start_picker)
         await asyncio.to_thread(st.start_envoy)
         picker = next(p for n, p in st.procs.procs if n == "picker")
@@ -138,4 +138,4 @@ async def soak(
             "rss_samples": samples,
         }
     finally:
-        st.procs.close()
+        st.procs.stop()

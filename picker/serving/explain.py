@@ -9,14 +9,9 @@ import grpc
 from picker._proto.kvpick.v1 import explain_pb2 as pb
 from picker._proto.kvpick.v1 import explain_pb2_grpc as pb_grpc
 from picker.core import request as request_mod
-from picker.core.errors import BadRequest, NoEndpoints, Overloaded, PickerError
+from picker.core.errors import BadRequest, PickerError
 from picker.core.router import Router
-
-_STATUS = {
-    BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    NoEndpoints: grpc.StatusCode.UNAVAILABLE,
-}
+from picker.serving.errors import encode as encode_error
 
 
 def explain(router: Router, path: str, body: bytes, policy: str, headers: dict[str, str]) -> dict[str, Any]:
@@ -44,7 +39,8 @@ class ExplainService(pb_grpc.ExplainServicer):  # type: ignore[misc]
                 {k.lower(): v for k, v in request.headers.items()},
             )
         except PickerError as err:
-            await context.abort(_STATUS.get(type(err), grpc.StatusCode.INTERNAL), err.message)
+            e = encode_error(err)
+            await context.abort(e.grpc_code, e.message)
             raise AssertionError("unreachable: abort raises") from err
         endpoints = [
             pb.EndpointExplain(

@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -42,6 +41,8 @@ from picker.core.endpoints.types import Endpoint
 from picker.core.errors import BodyTooLarge, InternalError, PickerError
 from picker.core.request import Parsed
 from picker.core.router import Router
+from picker.serving.errors import CONTENT_TYPE
+from picker.serving.errors import encode as encode_error
 from picker.serving.offload import BodyParser
 from picker.serving.telemetry import Telemetry
 
@@ -124,13 +125,13 @@ def endpoint_key(hostport: str) -> str:
 
 
 def immediate(err: PickerError) -> pb.ProcessingResponse:
-    body = orjson.dumps({"error": {"message": err.message, "type": err.kind, "code": err.status}})
+    e = encode_error(err)
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=err.status),
-            headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
-            body=body,
-            details=f"kvpick_{err.kind}",
+            status=http_status_pb2.HttpStatus(code=e.status),
+            headers=pb.HeaderMutation(set_headers=[_header("content-type", CONTENT_TYPE)]),
+            body=e.body,
+            details=e.details,
         )
     )
 

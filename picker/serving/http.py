@@ -21,6 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from picker.core.errors import PickerError
 from picker.core.router import Router
 from picker.serving import explain as explain_mod
+from picker.serving.errors import CONTENT_TYPE
+from picker.serving.errors import encode as encode_error
 from picker.serving.telemetry import Telemetry
 
 
@@ -60,7 +62,8 @@ def debug_app(router: Router) -> web.Application:
             )
             return web.json_response(doc)
         except PickerError as err:
-            return web.json_response({"error": {"message": err.message, "type": err.kind}}, status=err.status)
+            e = encode_error(err)
+            return web.Response(body=e.body, status=e.status, content_type=CONTENT_TYPE)
 
     async def endpoints(_: web.Request) -> web.Response:
         return web.json_response(

@@ -15,25 +15,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import pathlib
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
 
+from kvlaunch import PY, ROOT, Procs, Stack, wait_port
 from picker.core.scrape import parse_metrics
 
 from .__main__ import parser as sim_parser
 from .costmodel import profile
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-PY = sys.executable
-ENVOY = str(pathlib.Path(PY).parent / "envoy")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -65,51 +59,6 @@ class StopFlag:
             self.check()
             time.sleep(min(0.05, left))
         self.check()
-
-
-@dataclass
-class Children:
-    run_dir: pathlib.Path
-    flag: StopFlag = field(default_factory=StopFlag)
-    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
-
-    def start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        self.flag.check()
-        log = open(self.run_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
-        proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((name, proc))
-        return proc
-
-    def check(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                tail = (self.run_dir / f"{name}.log").read_text(errors="replace")[-1500:]
-                raise RuntimeError(f"{name} exited with {proc.returncode}; log tail:\n{tail}")
-
-    def stop(self) -> None:
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for _, proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-def wait_port(port: int, children: Children, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        children.flag.check()
-        children.check()
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return
-        children.flag.sleep(0.1)
-    raise TimeoutError(f"port {port} did not open within {timeout:.0f}s")
 
 
 def replica_status(port: int) -> str:
@@ -164,73 +113,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def start(args: argparse.Namespace, children: Children) -> list[int]:
+def start(args: argparse.Namespace, procs: Procs) -> list[int]:
+    """The replicas, then the picker and Envoy through the shared launcher (:class:`kvlaunch.Stack`);
+    returns the replicas' ports once every port accepts connections."""
     ports = [args.base_port + i for i in range(args.replicas)]
     for i, port in enumerate(ports):
-        children.start(
-            f"replica-{i}",
-            [
-                PY,
-                "-m",
-                "replica.sim",
-                "--port",
-                str(port),
-                "--model",
-                args.model,
-                *shlex.split(args.sim_args),
-            ],
-        )
-    eps = ",".join(f"127.0.0.1:{p}" for p in ports)
-    children.start(
-        "picker",
-        [
+        sim = [
             PY,
             "-m",
-            "picker",
-            "--endpoints",
-            eps,
-            "--policy",
-            args.policy,
-            "--host",
-            "127.0.0.1",
-            "--grpc-port",
-            str(args.picker_port),
-            "--grpc-health-port",
-            str(args.picker_port + 1),
-            "--metrics-port",
-            str(args.metrics_port),
-            "--enable-debug-api",  # a local stack: the debug API on loopback, next to metrics
-            "--debug-port",
-            str(args.metrics_port + 1),
-        ],
+            "replica.sim",
+            "--port",
+            str(port),
+            "--model",
+            args.model,
+            *shlex.split(args.sim_args),
+        ]
+        procs.start(f"replica-{i}", sim)
+    st = Stack(
+        procs,
+        ports,
+        envoy_port=args.port,
+        admin_port=args.admin_port,
+        grpc_port=args.picker_port,
+        health_port=args.picker_port + 1,
+        metrics_port=args.metrics_port,
+        debug_port=args.metrics_port + 1,  # a local stack: the debug API on loopback, next to metrics
     )
-    cfg = children.run_dir / "envoy.yaml"
-    children.flag.check()
-    render = subprocess.run(
-        [
-            PY,
-            str(ROOT / "deploy/envoy/render.py"),
-            "--listen-port",
-            str(args.port),
-            "--admin-port",
-            str(args.admin_port),
-            "--picker",
-            f"127.0.0.1:{args.picker_port}",
-            "--upstream",
-            "pool",
-            "--endpoints",
-            eps,
-            "-o",
-            str(cfg),
-        ],
-        capture_output=True,
-        start_new_session=True,  # a Ctrl-C is ours to handle, not a traceback of the renderer's
-    )
-    if render.returncode != 0:
-        raise RuntimeError(f"rendering the Envoy config failed:\n{render.stderr.decode(errors='replace')}")
-    children.start("envoy", [ENVOY, "-c", str(cfg), "-l", "warning", "--base-id", str(args.port)])
-    for port in [*ports, args.metrics_port, args.picker_port, args.port]:
-        wait_port(port, children)
+    st.start_picker("--policy", args.policy)
+    st.start_envoy("--upstream", "pool", "--endpoints", ",".join(st.addresses))
+    for port in ports:
+        wait_port(port, 60, procs=procs)
     return ports
 
 
@@ -253,16 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     flag = StopFlag()
     flag.install()
-    children = Children(run_dir, flag)
+    procs = Procs(run_dir, flag)
     up = False
     try:
-        ports = start(args, children)
+        ports = start(args, procs)
         up = True
         print(banner(args, ports), flush=True)
         tty = sys.stdout.isatty() and not args.once
         drawn = False
         while True:
-            children.check()
+            procs.check()
             lines = [f"  replica :{p}  {replica_status(p)}" for p in ports]
             if tty and drawn:
                 sys.stdout.write(f"\x1b[{len(lines)}F")
@@ -280,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"\nstack failed: {exc}", err=True)
         return 1
     finally:
-        children.stop()
+        procs.stop()
         _say("stopped: envoy, picker and replicas are down.")
 
 

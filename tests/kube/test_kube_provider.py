@@ -1,4 +1,4 @@
-"""KubeProvider against a local fake API server (tests/kube/fakeapi.py), through the real
+"""KubeProvider against a local fake API server (kvlaunch/fakekube.py), through the real
 ``kubernetes`` client: list, watch, bookmarks, 410 Gone, dropped and silent streams, pools."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Callable, Iterable
 import pytest
 from kubernetes import client as k8s
 
+from kvlaunch.fakekube import PODS, POOLS, FakeKube, pod, pool
 from picker.core.endpoints.kube import KubeProvider, PodView, PoolSpec, WatchConfig, parse_ports
 from picker.core.endpoints.types import Endpoint
-from tests.kube.fakeapi import PODS, POOLS, FakeKube, pod, pool
 
 pytestmark = pytest.mark.kube
 NS = "serving"

@@ -13,7 +13,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.procs import Procs, Stack, free_port, http, post_json, stack
+from kvlaunch import Procs, Stack, free_port, http, post_json, stack
 
 pytestmark = pytest.mark.envoy
 DATA = pathlib.Path(__file__).parent / "data"
@@ -115,4 +115,4 @@ def test_streamed_response_through_gie_test_config(tmp_path: pathlib.Path) -> No
         st.wait_in_flight_zero()
         assert _messages(st)["response_body"] > before, "GIE's config streams response bodies via ext_proc"
     finally:
-        procs.close()
+        procs.stop()

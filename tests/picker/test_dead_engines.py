@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.procs import PY, Procs, Stack, free_port, http, post_json, wait_port
+from kvlaunch import PY, Procs, Stack, free_port, http, post_json, wait_port
 
 pytestmark = pytest.mark.envoy
 
@@ -39,7 +39,7 @@ def sims(tmp_path: pathlib.Path) -> Iterator[Stack]:
             time.sleep(0.1)
         yield st
     finally:
-        procs.close()
+        procs.stop()
 
 
 def _fault(port: int, **doc: bool) -> None:

@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support import envoy_configs
-from tests.support.envoy_configs import ALL, KIND, SHIPPED
-from tests.support.procs import PY, ROOT, Procs, Stack, free_port, http, post_json
+from kvlaunch import PY, ROOT, Procs, Stack, envoy_configs, free_port, http, post_json
+from kvlaunch.envoy_configs import ALL, KIND, SHIPPED
 
 pytestmark = pytest.mark.envoy
 RENDER = str(ROOT / "deploy/envoy/render.py")
@@ -147,7 +146,7 @@ def test_fail_open_original_dst_serves_with_the_picker_killed(tmp_path: pathlib.
             assert time.monotonic() < deadline, "Envoy never went back to the picker"
             time.sleep(0.2)
     finally:
-        st.procs.close()
+        st.procs.stop()
 
 
 def _first_event_delay(st: Stack, chunks: int = 10, delay: float = 0.3) -> float:
@@ -187,4 +186,4 @@ def test_sse_stays_streamed(name: str, response: str, tmp_path: pathlib.Path) ->
         assert _first_event_delay(st) < 1.0, "the first event waited for the whole stream (3 s)"
         st.wait_in_flight_zero()
     finally:
-        st.procs.close()
+        st.procs.stop()

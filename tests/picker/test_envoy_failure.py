@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.support.procs import Procs, Stack, free_port, post_json, stack
+from kvlaunch import Procs, Stack, free_port, post_json, stack
 
 pytestmark = pytest.mark.envoy
 
@@ -41,7 +41,7 @@ def test_fallback_serves_when_primary_port_is_closed(tmp_path: pathlib.Path) -> 
             served.append(body["served_by"])
         assert set(served) == {st.upstreams[0]}
     finally:
-        procs.close()
+        procs.stop()
 
 
 @pytest.mark.parametrize("mode", ["open", "close"])
@@ -75,7 +75,7 @@ class _pool_stack:
         return st
 
     def __exit__(self, *exc: object) -> None:
-        self.procs.close()
+        self.procs.stop()
 
 
 def test_dead_replica_stops_receiving_traffic(tmp_path: pathlib.Path) -> None:
@@ -83,10 +83,10 @@ def test_dead_replica_stops_receiving_traffic(tmp_path: pathlib.Path) -> None:
     st = Stack(procs, [free_port(), free_port()])
     try:
         # Each upstream in its own process so one can die.
-        from tests.support.procs import PY, wait_port
+        from kvlaunch import PY, wait_port
 
         for i, port in enumerate(st.upstreams):
-            proc = procs.start(f"up{i}", [PY, "-m", "tests.support.upstream", "--ports", str(port)])
+            proc = procs.start(f"up{i}", [PY, "-m", "kvlaunch.upstream", "--ports", str(port)])
             wait_port(port, proc=proc)
         st.start_picker()
         st.start_envoy()
@@ -101,7 +101,7 @@ def test_dead_replica_stops_receiving_traffic(tmp_path: pathlib.Path) -> None:
             status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": DOC + str(i)})
             assert status == 200 and body["served_by"] != home
     finally:
-        procs.close()
+        procs.stop()
 
 
 def test_buffered_body_mode(tmp_path: pathlib.Path) -> None:
@@ -128,4 +128,4 @@ def test_no_ready_endpoint_gives_503(tmp_path: pathlib.Path) -> None:
         status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "x"})
         assert status == 503 and body["error"]["type"] == "no_endpoints"
     finally:
-        procs.close()
+        procs.stop()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.support.procs import Stack, http
+from kvlaunch import Stack, http
 
 pytestmark = pytest.mark.envoy
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support.procs import PY, ROOT, Procs, Stack, free_port, post_json
+from kvlaunch import PY, ROOT, Procs, Stack, free_port, post_json
 
 pytestmark = pytest.mark.envoy
 
@@ -91,7 +91,7 @@ def test_served_fallback_is_credited(tmp_path: pathlib.Path) -> None:
         assert eps[f"127.0.0.1:{closed}"]["index_blocks"] == 0, eps
         assert eps[f"127.0.0.1:{live}"]["index_blocks"] > 0, eps
     finally:
-        procs.close()
+        procs.stop()
 
 
 def test_header_and_metadata_carry_one_value(tmp_path: pathlib.Path) -> None:
@@ -110,7 +110,7 @@ def test_header_and_metadata_carry_one_value(tmp_path: pathlib.Path) -> None:
             primary, fallback = body["dest_header"].split(",")
             assert primary == f"127.0.0.1:{body['served_by']}" and fallback != primary
     finally:
-        procs.close()
+        procs.stop()
 
 
 def _with_subset(doc: dict[str, Any], subset: list[str]) -> dict[str, Any]:
@@ -162,7 +162,7 @@ def test_subset_hint_is_honoured(tmp_path: pathlib.Path, which: str) -> None:
             else:
                 assert status == 503 and body["error"]["type"] == "no_endpoints", (status, body)
     finally:
-        procs.close()
+        procs.stop()
 
 
 def test_ipv6_endpoints_route_end_to_end(tmp_path: pathlib.Path) -> None:
@@ -173,7 +173,7 @@ def test_ipv6_endpoints_route_end_to_end(tmp_path: pathlib.Path) -> None:
     st = Stack(procs, [free_port()])
     try:
         port = st.upstreams[0]
-        proc = procs.start("up6", [PY, "-m", "tests.support.upstream", "--ports", str(port), "--host", "::1"])
+        proc = procs.start("up6", [PY, "-m", "kvlaunch.upstream", "--ports", str(port), "--host", "::1"])
         deadline = time.monotonic() + 20
         while proc.poll() is None and time.monotonic() < deadline:
             try:
@@ -193,4 +193,4 @@ def test_ipv6_endpoints_route_end_to_end(tmp_path: pathlib.Path) -> None:
         assert status == 200 and body["served_by"] == port and body["dest_header"] == key, body
         st.wait_in_flight_zero()
     finally:
-        procs.close()
+        procs.stop()

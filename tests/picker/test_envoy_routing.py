@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 
-from tests.support.procs import PY, ROOT, Procs, Stack, free_port, http, post_json, stack
+from kvlaunch import PY, ROOT, Procs, Stack, free_port, http, post_json, stack
 
 pytestmark = pytest.mark.envoy
 
@@ -123,7 +123,7 @@ def test_model_rewrite_set_by_a_trusted_gateway_rewrites_the_body(tmp_path: path
             time.sleep(0.2)
         assert got[1]["model"] == "m-lora"
     finally:
-        procs.close()
+        procs.stop()
 
 
 def test_in_flight_returns_to_zero(envoy_stack: Stack) -> None:

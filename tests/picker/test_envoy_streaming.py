@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.support.procs import Stack, http
+from kvlaunch import Stack, http
 
 pytestmark = pytest.mark.envoy
 

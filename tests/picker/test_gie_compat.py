@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.support.procs import Procs, Stack, free_port, http, post_json
+from kvlaunch import Procs, Stack, free_port, http, post_json
 
 pytestmark = pytest.mark.envoy
 DATA = pathlib.Path(__file__).parent / "data"
@@ -51,7 +51,7 @@ def test_works_behind_gie_test_envoy_config(tmp_path: pathlib.Path) -> None:
         )
         assert status == 200 and body["served_by"] in homes
     finally:
-        procs.close()
+        procs.stop()
 
 
 def _check(channel: grpc.Channel, service: str) -> int:
@@ -133,4 +133,4 @@ def test_gie_chart_args_start_the_picker_behind_envoy(tmp_path: pathlib.Path) ->
             assert log.count(f"GIE flag {flag}") == 1, (flag, log)
         assert "EndpointPickerConfig" in log and "Traceback" not in log
     finally:
-        procs.close()
+        procs.stop()

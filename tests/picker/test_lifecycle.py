@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.support.procs import Procs, Stack, free_port, http, post_json, stack
+from kvlaunch import Procs, Stack, free_port, http, post_json, stack
 
 pytestmark = pytest.mark.envoy
 
@@ -68,7 +68,7 @@ def test_empty_pool_is_ready_and_answers_503(tmp_path: pathlib.Path) -> None:
         status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "x"})
         assert status == 503 and body["error"]["type"] == "no_endpoints", body
     finally:
-        procs.close()
+        procs.stop()
 
 
 def _children(pid: int) -> set[int]:
@@ -113,4 +113,4 @@ def test_a_sigkilled_picker_leaves_no_parse_worker_behind(tmp_path: pathlib.Path
             assert time.monotonic() < deadline, f"processes outlived the SIGKILLed picker: {left}"
             time.sleep(0.1)
     finally:
-        procs.close()
+        procs.stop()

@@ -9,8 +9,8 @@ import ssl
 import grpc
 import pytest
 
+from kvlaunch import ROOT, Stack, post_json, stack
 from picker._proto.kvpick.v1 import explain_pb2, explain_pb2_grpc
-from tests.support.procs import ROOT, Stack, post_json, stack
 
 
 def test_generated_code_is_fresh(tmp_path: pathlib.Path) -> None:

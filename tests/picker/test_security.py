@@ -13,8 +13,8 @@ import time
 import grpc
 import pytest
 
+from kvlaunch import Procs, Stack, free_port, http, post_json, wait_port
 from picker._proto.kvpick.v1 import explain_pb2, explain_pb2_grpc
-from tests.support.procs import Procs, Stack, free_port, http, post_json, wait_port
 
 pytestmark = pytest.mark.envoy
 
@@ -57,7 +57,7 @@ def test_debug_faces_are_off_by_default(tmp_path: pathlib.Path) -> None:
                 explain_pb2_grpc.ExplainStub(ch).Explain(explain_pb2.ExplainRequest(body=doc), timeout=10)
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
-        procs.close()
+        procs.stop()
 
 
 def test_debug_api_binds_loopback_only(tmp_path: pathlib.Path) -> None:
@@ -74,7 +74,7 @@ def test_debug_api_binds_loopback_only(tmp_path: pathlib.Path) -> None:
         assert _refused(addr, st.debug_port), f"debug API reachable on {addr}"
         assert not _refused(addr, st.metrics_port), "metrics stay on every address"
     finally:
-        procs.close()
+        procs.stop()
 
 
 def _stream(st: Stack, out: list[int], delay: float) -> None:
@@ -117,4 +117,4 @@ def test_stream_cap_refuses_cleanly_and_envoy_failure_mode_applies(tmp_path: pat
             time.sleep(0.2)
         st.wait_in_flight_zero()
     finally:
-        procs.close()
+        procs.stop()

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 import msgpack
 import pytest
 
+from kvlaunch import free_port
 from picker.core.config import PrefixConfig, RouterConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
@@ -17,7 +18,6 @@ from picker.core.peers import Peers, resolve, zmq_address
 from picker.core.prefix.events import State, Sync
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
-from tests.support.procs import free_port
 
 pytestmark = pytest.mark.precise
 EPS = [Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000), Endpoint("10.0.0.3", 8000)]

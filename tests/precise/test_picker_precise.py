@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.procs import PY, Procs, Stack, free_port, http, post_json
+from kvlaunch import PY, Procs, Stack, free_port, http, post_json
 
 pytestmark = [pytest.mark.precise, pytest.mark.envoy, pytest.mark.timeout(240)]
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -106,4 +106,4 @@ def test_precise_picker_behind_envoy(tmp_path: pathlib.Path) -> None:
         _, cached = complete(st, [*doc, 99])
         assert cached == ex["endpoints"][ex["chosen"][0]]["cached_tokens_est"], (cached, ex)
     finally:
-        procs.close()
+        procs.stop()

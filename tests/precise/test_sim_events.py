@@ -20,11 +20,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvlaunch import PY, Procs, free_port, post_json, wait_port
 from picker.core.prefix.events import State, Subscriber
 from picker.core.prefix.precise import PreciseIndex, request_keys
 from replica.sim.blocks import chain_hashes
 from tests.sim.test_kv_events import MODEL, Replay, ids
-from tests.support.procs import PY, Procs, free_port, post_json, wait_port
 
 pytestmark = pytest.mark.precise
 BS = 16
@@ -63,7 +63,7 @@ async def sim(tmp_path: pathlib.Path, blocks: int = 24) -> AsyncIterator[Sim]:
         s.start()
         yield s
     finally:
-        procs.close()
+        procs.stop()
 
 
 @contextlib.asynccontextmanager

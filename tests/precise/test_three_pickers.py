@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import yaml
 
+from kvlaunch import ENVOY, PY, ROOT, Procs, free_port, http, wait_port
 from tests.precise.test_picker_precise import HOSTS, MODEL, start_sim
-from tests.support.procs import ENVOY, PY, ROOT, Procs, free_port, http, wait_port
 
 pytestmark = [pytest.mark.precise, pytest.mark.envoy, pytest.mark.timeout(240)]
 HEALTH_INTERVAL_S = 0.5
@@ -161,4 +161,4 @@ def test_sigkill_one_of_three_pickers_under_load(tmp_path: pathlib.Path) -> None
         assert after and all(s == 200 for s in after), f"Envoy moved to the survivors: {summary}"
         assert failed_window < len(window), summary
     finally:
-        procs.close()
+        procs.stop()

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.support.procs import Procs, Stack, _wait_routable, free_port, http
+from kvlaunch import Procs, Stack, free_port, http
 
 pytestmark = [pytest.mark.precise, pytest.mark.envoy, pytest.mark.timeout(120)]
 
@@ -46,7 +46,8 @@ def test_two_workers_share_the_ports(tmp_path: pathlib.Path) -> None:
         st.start_upstreams()
         st.start_picker("--workers", "2")
         st.start_envoy()
-        _wait_routable(st)
+        st.wait_routable()
+        st.wait_in_flight_zero()
         picker = next(p for n, p in procs.procs if n == "picker")
         deadline = time.monotonic() + 20
         while listeners(st.grpc_port) < 2 or listeners(st.metrics_port) < 2:
@@ -65,7 +66,7 @@ def test_two_workers_share_the_ports(tmp_path: pathlib.Path) -> None:
             assert time.monotonic() < deadline, "the second worker outlived the first"
             time.sleep(0.2)
     finally:
-        procs.close()
+        procs.stop()
 
 
 def _state(pid: int) -> str:

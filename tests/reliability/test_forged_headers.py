@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.support import envoy_configs
-from tests.support.envoy_configs import ALL
-from tests.support.procs import Procs, Stack, free_port, post_json
+from kvlaunch import Procs, Stack, envoy_configs, free_port, post_json
+from kvlaunch.envoy_configs import ALL
 
 pytestmark = [pytest.mark.reliability, pytest.mark.envoy]
 DOC = "A shared system prompt that spans several blocks, for the forged-header test. " * 20
@@ -101,4 +100,4 @@ def test_forged_headers_never_steer(name: str, tmp_path: pathlib.Path) -> None:
                     served.append(body["served_by"])
             assert set(served) == set(st.upstreams), f"forged headers pinned fail-open routing to {target}"
     finally:
-        st.procs.close()
+        st.procs.stop()

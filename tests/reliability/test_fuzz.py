@@ -12,7 +12,7 @@ import time
 import pytest
 
 from bench.reliability import checks, fuzz
-from tests.support.procs import stack
+from kvlaunch import stack
 
 pytestmark = [pytest.mark.reliability, pytest.mark.envoy]
 SEED, N = 20261123, 2000

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvlaunch import PY, Procs, free_port, http, post_json, wait_port
 from picker.core.endpoints.types import EndpointMetrics
 from picker.core.scrape import parse_metrics
 from replica.sim.costmodel import profile
-from tests.support.procs import PY, Procs, free_port, http, post_json, wait_port
 from tests.support.vllm import tiny_model, vllm_server
 
 pytestmark = pytest.mark.vllm
@@ -62,7 +62,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str
         with vllm_server(procs, model) as vllm_url:
             yield vllm_url, f"http://127.0.0.1:{port}", str(model)
     finally:
-        procs.close()
+        procs.stop()
 
 
 def test_same_sequence_same_hits(servers: tuple[str, str, str]) -> None:

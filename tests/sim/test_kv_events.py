@@ -23,12 +23,12 @@ import msgpack
 import pytest
 import zmq
 
+from kvlaunch import PY, Procs, free_port, post_json, wait_port
 from replica.sim import tokenizer
 from replica.sim.blocks import Cleared, Event, Removed, Stored, chain_hashes
 from replica.sim.costmodel import profile
 from replica.sim.engine import EngineConfig, EngineCore
 from replica.sim.request import Request
-from tests.support.procs import PY, Procs, free_port, post_json, wait_port
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PROMPT = "Stored blocks must match the engine. " * 8  # 296 chars = 74 tokens = 4 full blocks of 16
@@ -73,7 +73,7 @@ def simulator(tmp_path: pathlib.Path, *flags: str) -> Iterator[Sim]:
         yield Sim(f"http://127.0.0.1:{port}", sub, procs)
     finally:
         sub.close(linger=0)
-        procs.close()
+        procs.stop()
 
 
 # --- independent decoding ------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.procs import PY, ROOT, Procs, free_port, http, post_json, wait_port
+from kvlaunch import PY, ROOT, Procs, free_port, http, post_json, wait_port
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PROMPT = "You are a careful assistant. " * 20  # 580 chars = 145 tokens = 9 full blocks of 16
@@ -29,7 +29,7 @@ def sim(tmp_path: pathlib.Path):  # type: ignore[no-untyped-def]
     proc = procs.start("sim", [PY, "-m", "replica.sim", "--port", str(port), "--profile", "cpu-test"])
     wait_port(port, proc=proc)
     yield f"http://127.0.0.1:{port}"
-    procs.close()
+    procs.stop()
 
 
 def metrics(url: str) -> dict[str, float]:

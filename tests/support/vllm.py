@@ -7,8 +7,8 @@ import pathlib
 import time
 from collections.abc import Iterator
 
+from kvlaunch import PY, Procs, free_port, http
 from replica.vllm.tiny import ENV, build_tiny, command
-from tests.support.procs import PY, Procs, free_port, http
 
 __all__ = ["ENV", "tiny_model", "vllm_server"]
 

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvlaunch import PY, Procs, Stack, free_port, http, post_json
 from picker.core.scrape import parse_metrics
-from tests.support.procs import PY, Procs, Stack, free_port, http, post_json
 from tests.support.vllm import ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.envoy, pytest.mark.timeout(600)]
@@ -85,7 +85,7 @@ def replicas(tiny_model_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFact
         wait_healthy(procs, urls)
         yield list(urls.values())
     finally:
-        procs.close()
+        procs.stop()
         shutil.rmtree(kv_dir, ignore_errors=True)
 
 
@@ -113,7 +113,7 @@ def run_policy(tmp: pathlib.Path, urls: list[str], model: str, *picker_args: str
             assert status == 200, doc
         return [hits_total(u) - b for u, b in zip(urls, before, strict=True)]
     finally:
-        procs.close()
+        procs.stop()
 
 
 def test_default_policy_gets_more_prefix_hits_than_round_robin(
@@ -196,4 +196,4 @@ def test_hot_prefix_spills_once_its_holder_is_measurably_slower(
         print(f"hot prefix served per replica: idle {first}, holder slowed {spilled} (holder {holder})")
         assert spilled[other] >= 1, f"the hot prefix never left the slowed holder: {spilled}"
     finally:
-        procs.close()
+        procs.stop()

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import zmq.asyncio
 
+from kvlaunch import Procs, free_port, post_json
 from picker.core.prefix.events import State, Subscriber
 from picker.core.prefix.precise import PreciseIndex, request_keys
 from picker.core.tokenize import load
-from tests.support.procs import Procs, free_port, post_json
 from tests.support.vllm import vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.precise, pytest.mark.timeout(600)]
@@ -145,7 +145,7 @@ async def test_predicted_cached_tokens_match_vllm(
                 assert sub.sync.state is State.SYNCED and sub.sync.bad == 0, sub.sync
                 evictions = removed
     finally:
-        procs.close()
+        procs.stop()
     close = [abs(p - c) <= BS for _, _, p, c in rows]
     exact = sum(p == c for _, _, p, c in rows)
     hits = sum(c > 0 for _, _, _, c in rows)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.procs import PY, Procs, free_port, http, post_json
+from kvlaunch import PY, Procs, free_port, http, post_json
 from tests.support.vllm import ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
@@ -52,7 +52,7 @@ def replica(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> Iterator[tu
             time.sleep(1)
         yield url, sub, procs
     finally:
-        procs.close()
+        procs.stop()
         sub.close(linger=0)
         shutil.rmtree(kv_dir, ignore_errors=True)
 

@@ -4,14 +4,13 @@ test stack's ports (the committed files name 127.0.0.1:8001,8002 and the picker 
 from __future__ import annotations
 
 import importlib.util
-import pathlib
 from typing import Any
 
 import yaml
 
-from tests.support.procs import Stack, free_port
+from .procs import ROOT, free_port
+from .stack import Stack
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONTRACT = "127.0.0.1:8001,127.0.0.1:8002"
 """The endpoints the committed configs name: the README's picker/replica pair."""
 

@@ -1,6 +1,6 @@
 """Real HTTP upstreams for picker tests: each port answers with which port served it.
 
-    python -m tests.support.upstream --ports 8001,8002
+    python -m kvlaunch.upstream --ports 8001,8002
 
 - ``POST /v1/*``: JSON ``{"served_by": port, "sha256": ..., "bytes": n, "model": ...}``; with
   ``"stream": true`` an SSE stream of ``chunks`` events (``?delay=`` seconds between events).
@@ -96,9 +96,12 @@ def make_app(port: int) -> web.Application:
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}], "served_by": port})
+
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/v1/{tail:.*}", completions)
-    app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "m"}], "served_by": port}))
+    app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)

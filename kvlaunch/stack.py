@@ -1,0 +1,159 @@
+"""The one launcher of a picker behind a real Envoy, for ``make run``, the benchmarks and the
+tests: the picker (``python -m picker``) on free loopback ports, and Envoy with a config rendered
+by ``deploy/envoy/render.py`` (or given whole).
+
+    procs = Procs(run_dir)
+    st = Stack(procs, upstreams=[8001, 8002])
+    st.start_picker("--policy", "cost")
+    st.start_envoy("--upstream", "pool", "--endpoints", ",".join(st.addresses))
+    ...                       # send to st.url
+    procs.stop()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .procs import ENVOY, PY, ROOT, Procs, free_port, http, post_json, wait_port
+
+
+@dataclass
+class Stack:
+    """Model servers on loopback (``upstreams``: their ports) behind one picker and one Envoy;
+    every process lives in ``procs``. A port left 0 is chosen free at start; a restarted picker or Envoy keeps
+    its ports, so the other finds it again."""
+
+    procs: Procs
+    upstreams: list[int]
+    envoy_port: int = 0
+    admin_port: int = 0
+    grpc_port: int = 0
+    health_port: int = 0
+    metrics_port: int = 0
+    debug_port: int = 0
+    """The picker's debug API (``--enable-debug-api``, on loopback); 0 while it is off."""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy_port}"
+
+    @property
+    def addresses(self) -> list[str]:
+        """The model servers as the picker names them (``127.0.0.1:port``)."""
+        return [f"127.0.0.1:{p}" for p in self.upstreams]
+
+    def start_picker(
+        self,
+        *extra: str,
+        endpoints: list[int] | None = None,
+        debug: bool = True,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """The picker on this stack's ports, routing to the loopback ports ``endpoints`` (default:
+        the stack's upstreams; ``[]``: no static list, discovery comes from ``extra``, e.g.
+        ``--pool-name``). Returns once its metrics and ext_proc ports accept connections."""
+        self.grpc_port = self.grpc_port or free_port()
+        self.health_port = self.health_port or free_port()
+        self.metrics_port = self.metrics_port or free_port()
+        eps = [f"127.0.0.1:{p}" for p in (self.upstreams if endpoints is None else endpoints)]
+        args = [PY, "-m", "picker", "--endpoints", ",".join(eps), "--host", "127.0.0.1"]
+        args += ["--grpc-port", str(self.grpc_port), "--grpc-health-port", str(self.health_port)]
+        args += ["--metrics-port", str(self.metrics_port)]
+        if debug:
+            self.debug_port = self.debug_port or free_port()
+            args += ["--enable-debug-api", "--debug-port", str(self.debug_port)]
+        proc = self.procs.start("picker", [*args, *extra], env)
+        for port in (self.metrics_port, self.grpc_port):
+            wait_port(port, procs=self.procs, proc=proc)
+        return proc
+
+    def start_upstreams(self, *extra: str) -> subprocess.Popen[bytes]:
+        """``kvlaunch.upstream`` (fake model servers that say which port served) on ``upstreams``."""
+        ports = ",".join(map(str, self.upstreams))
+        proc = self.procs.start("upstreams", [PY, "-m", "kvlaunch.upstream", "--ports", ports, *extra])
+        for p in self.upstreams:
+            wait_port(p, procs=self.procs, proc=proc)
+        return proc
+
+    def render_envoy(self, *render_args: str) -> str:
+        """``deploy/envoy/render.py``'s config for this stack's ports, plus ``render_args``."""
+        self.envoy_port = self.envoy_port or free_port()
+        self.admin_port = self.admin_port or free_port()
+        cmd = [PY, str(ROOT / "deploy/envoy/render.py"), "--listen-port", str(self.envoy_port)]
+        cmd += ["--admin-port", str(self.admin_port), "--picker", f"127.0.0.1:{self.grpc_port}", "-o", "-"]
+        # its own session: a Ctrl-C is make run's to handle, not a traceback of the renderer's
+        done = subprocess.run([*cmd, *render_args], capture_output=True, cwd=ROOT, start_new_session=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"rendering the Envoy config failed:\n{done.stderr.decode(errors='replace')}")
+        return done.stdout.decode()
+
+    def start_envoy(self, *render_args: str, config: str | None = None) -> subprocess.Popen[bytes]:
+        """Envoy with ``config``, or with the rendered config (``render_args``); returns once its
+        listener accepts connections. A given ``config`` must listen on ``envoy_port``."""
+        text = self.render_envoy(*render_args) if config is None else config
+        assert self.envoy_port, "a given Envoy config needs envoy_port set to the port it listens on"
+        path = self.procs.run_dir / "envoy.yaml"
+        path.write_text(text)
+        cmd = [ENVOY, "-c", str(path), "-l", "warning", "--concurrency", "2", "--disable-hot-restart"]
+        proc = self.procs.start("envoy", cmd)
+        wait_port(self.envoy_port, procs=self.procs, proc=proc)
+        return proc
+
+    def endpoints(self) -> dict[str, Any]:
+        """The picker's ``/debug/endpoints`` (needs ``debug=True``)."""
+        _, body, _ = http("GET", f"http://127.0.0.1:{self.debug_port}/debug/endpoints")
+        return dict(json.loads(body))
+
+    def wait_in_flight_zero(self, timeout: float = 10.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        eps = self.endpoints()
+        while time.monotonic() < deadline:
+            eps = self.endpoints()
+            if all(e["in_flight_requests"] == 0 and e["in_flight_tokens"] == 0 for e in eps.values()):
+                return eps
+            time.sleep(0.1)
+        raise AssertionError(f"in-flight did not return to zero: {eps}")
+
+    def wait_routable(
+        self, doc: Any | None = None, path: str = "/v1/completions", timeout: float = 30.0
+    ) -> None:
+        """Until ``doc`` posted through Envoy gets a 200 (the picker has scraped its endpoints)."""
+        doc = doc if doc is not None else {"model": "m", "prompt": "warmup", "max_tokens": 1}
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            self.procs.check()
+            with contextlib.suppress(OSError):
+                status, last = post_json(self.url + path, doc)
+                if status == 200:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(
+            f"stack never became routable: {last}\n{self.procs.log('picker')[-3000:]}\n"
+            f"{self.procs.log('envoy')[-3000:]}"
+        )
+
+
+@contextlib.contextmanager
+def stack(
+    tmp: pathlib.Path, n: int = 2, picker_args: tuple[str, ...] = (), envoy_args: tuple[str, ...] = ()
+) -> Iterator[Stack]:
+    """``n`` fake upstreams, the picker (debug API on) and Envoy, routable and idle; all stopped after."""
+    procs = Procs(tmp)
+    st = Stack(procs, [free_port() for _ in range(n)])
+    try:
+        st.start_upstreams()
+        st.start_picker(*picker_args)
+        st.start_envoy(*envoy_args)
+        st.wait_routable()
+        st.wait_in_flight_zero()
+        yield st
+    finally:
+        procs.stop()
