@@ -21,7 +21,7 @@ from picker.core import config as config_mod
 from picker.core.endpoints.static import FileProvider, StaticProvider, parse_list
 from picker.core.endpoints.types import EndpointProvider
 from picker.serving import gie_flags, workers
-from picker.serving.extproc import BUFFERED, FULL_DUPLEX
+from picker.serving.extproc import BUFFERED, FULL_DUPLEX, RESPONSE_HEADERS
 from picker.serving.server import PickerServer, ServerOptions
 from picker.serving.workers import WORKER_FLAG
 
@@ -86,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=so.max_concurrent_streams,
         help="cap on concurrent gRPC calls on the ext_proc port; over it a stream is refused "
         "(RESOURCE_EXHAUSTED) and Envoy's failure mode applies; 0 for no cap",
+    )
+    g.add_argument(
+        "--response-headers",
+        choices=RESPONSE_HEADERS,
+        default=so.response_headers,
+        help="when-needed: where there are no response bodies and no fallbacks, tell Envoy per "
+        "request (mode_override) not to send the response headers, one ext_proc message each way "
+        "less (the request still ends with the ext_proc stream); always: take what Envoy sends",
     )
     g.add_argument(
         "--drain-timeout",
@@ -357,6 +365,7 @@ def _server_options(args: argparse.Namespace) -> ServerOptions:
         debug_bind_address=args.debug_bind_address,
         enable_explain_grpc=args.enable_explain_grpc,
         max_concurrent_streams=args.max_concurrent_streams,
+        response_headers=args.response_headers,
         drain_timeout_s=args.drain_timeout,
         pool_name=args.pool_name or "kvpick",
         **_peer_options(args),

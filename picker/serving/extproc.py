@@ -10,6 +10,13 @@ Message order per HTTP request (one gRPC stream):
   with a ``BodyResponse`` carrying the mutation.
 - Response headers, body and trailers are answered in order as they arrive; in full-duplex mode
   the response body is echoed back chunk by chunk (SSE passes through unchanged).
+- Response headers are asked for only where the picker uses them (``skip_response_headers``):
+  with no response body and no fallbacks (under ORIGINAL_DST the primary is the only host that can
+  serve, so there is nothing to re-credit), the request-headers response carries a
+  ``mode_override`` (Envoy's ``allow_mode_override``) that SKIPs response headers and trailers for
+  this request. That saves a message each way per request. The ext_proc stream still ends with the
+  HTTP stream (Envoy closes it when the filter is destroyed), which ends the accounting; what is
+  lost is the response status in the ``kvpick_requests_total`` decision label.
 
 :class:`~picker.core.errors.PickerError` is translated here, and only here, into an
 ``ImmediateResponse`` with a JSON error body. Any other exception is logged with its traceback and
@@ -59,6 +66,8 @@ BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 REQUEST_ID = "x-request-id"
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+RESPONSE_HEADERS = ("when-needed", "always")
+"""``--response-headers``: skip them per request where the picker has no use for them, or not."""
 MESSAGE_KINDS = (
     "request_headers",
     "request_body",
@@ -67,6 +76,24 @@ MESSAGE_KINDS = (
     "response_body",
     "response_trailers",
 )
+
+
+def _without_response_headers(request_body_mode: int) -> processing_mode_pb2.ProcessingMode:
+    """The processing mode that keeps the request side as the shipped configs set it and sends
+    nothing of the response (headers, body, trailers) to the picker."""
+    pm = processing_mode_pb2.ProcessingMode
+    return pm(
+        request_header_mode=pm.SEND,
+        response_header_mode=pm.SKIP,
+        request_body_mode=request_body_mode,
+        response_body_mode=pm.NONE,
+        request_trailer_mode=pm.SEND,
+        response_trailer_mode=pm.SKIP,
+    )
+
+
+SKIP_RESPONSE = {mode: _without_response_headers(mode) for mode in (FULL_DUPLEX, BUFFERED, NO_BODY)}
+"""Built once: ``mode_override`` per request body mode."""
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -183,6 +210,8 @@ class Exchange:
     """The response is a 2xx event stream: its first byte times the prefill (a cross-check)."""
     parsed: Parsed | None = None
     """The body's parse, when it was made off the event loop before the pick."""
+    skip_response_headers: bool = False
+    """Ask Envoy (``mode_override``) not to send the response path, where the modes allow it."""
 
     # -- request path -------------------------------------------------------------------------
     def on_request_headers(
@@ -197,13 +226,22 @@ class Exchange:
             # configured modes; there NONE (0) is a real mode: no body message will follow.
             self.request_mode, self.response_mode = cfg.request_body_mode, cfg.response_body_mode
         self.headers = _headers_map(msg)
+        self.skip_response_headers = self.skip_response_headers and self.response_mode == NO_BODY
         if msg.end_of_stream or self.request_mode == NO_BODY:
             # Bodiless (GET /v1/models), or a body Envoy will not send: any ready endpoint.
             self._pick(())
-            return [self._headers_response(body_len=None)]
+            return [self._override(self._headers_response(body_len=None))]
         if self.request_mode == FULL_DUPLEX:
             return []  # answered once the body's end-of-stream arrives
-        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+        return [self._override(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))]
+
+    def _override(self, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
+        """``resp`` (the request-headers response: Envoy honours a mode override only there),
+        with response headers skipped where :attr:`skip_response_headers` says so."""
+        mode = SKIP_RESPONSE.get(self.request_mode) if self.skip_response_headers else None
+        if mode is not None:
+            resp.mode_override.CopyFrom(mode)
+        return resp
 
     def absorb(self, msg: pb.HttpBody) -> None:
         """Buffer a request body chunk (413 past ``max_body``)."""
@@ -232,7 +270,7 @@ class Exchange:
         chunks, self.chunks = self.chunks, []
         new_body = self._pick(chunks)
         if self.request_mode == FULL_DUPLEX:
-            head = self._headers_response(len(new_body) if new_body is not None else None)
+            head = self._override(self._headers_response(len(new_body) if new_body is not None else None))
             out = new_body if new_body is not None else chunks
             return itertools.chain((head,), body_chunks(out, "request_body", eos))
         common = self._mutation(body_len=len(new_body) if new_body is not None else None)
@@ -343,12 +381,16 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         telemetry: Telemetry | None = None,
         default_mode: int = FULL_DUPLEX,
         parser: BodyParser | None = None,
+        response_headers: str = "when-needed",
     ) -> None:
+        assert response_headers in RESPONSE_HEADERS, f"response_headers {response_headers!r}"
         self.router = router
         self.telemetry = telemetry
         self.default_mode = default_mode
         self.parser = parser
         """Parses large bodies off the event loop; None parses every body inline."""
+        self.skip_response_headers = response_headers == "when-needed" and router.cfg.fallbacks == 0
+        """No fallbacks: the primary serves or nothing does, so the served endpoint tells nothing."""
         self._counted = {k: telemetry.extproc_messages.labels(k) for k in MESSAGE_KINDS} if telemetry else {}
         """Pre-bound counter children: one ``inc`` per message, no label lookup."""
 
@@ -385,6 +427,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         ex = Exchange(
             self.router, self.telemetry, self.router.cfg.max_body_bytes, self.default_mode, self.default_mode
         )
+        ex.skip_response_headers = self.skip_response_headers
         outcome = "aborted"
         try:
             async for msg in requests:

@@ -45,6 +45,8 @@ EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 READINESS_SERVICES = ("", "readiness", EXTPROC_SERVICE)
+MESSAGE_HEADROOM = 1 << 20
+"""Bytes allowed in one ext_proc message beyond the body limit (headers, metadata, framing)."""
 GIE_PROBE_SERVICE = "inference-extension"
 """What GIE's chart probes on 9003, for liveness and readiness alike, when leader election is
 off: SERVING once discovery has synced, and still while draining (a failing liveness probe would
@@ -71,6 +73,8 @@ class ServerOptions:
     """Concurrent gRPC calls on the ext_proc port (ext_proc streams and health checks); over it
     a call is refused with RESOURCE_EXHAUSTED and Envoy's failure mode applies. 0: no cap."""
     drain_timeout_s: float = 130.0
+    response_headers: str = "when-needed"
+    """``when-needed`` or ``always``: see :class:`~picker.serving.extproc.ExtProcService`."""
     reuse_port: bool = False
     """Bind every port with SO_REUSEPORT (``--workers``: N processes share them)."""
     pool_name: str = "kvpick"
@@ -131,8 +135,15 @@ class PickerServer:
     def _grpc_server(self) -> grpc.aio.Server:
         cap = self.opts.max_concurrent_streams or None
         reuse = int(self.opts.reuse_port)
-        server = grpc.aio.server(options=[("grpc.so_reuseport", reuse)], maximum_concurrent_rpcs=cap)
-        service = ExtProcService(self.router, self.telemetry, self.opts.default_body_mode, self.parser)
+        # A BUFFERED body arrives as one message: up to Envoy's buffer limit (the body limit plus
+        # 64 KiB, deploy/envoy/render.py), which must reach the picker to get its 413, not
+        # gRPC's 4 MiB default receive cap (RESOURCE_EXHAUSTED, a 500 from Envoy).
+        max_message = self.cfg.max_body_bytes + MESSAGE_HEADROOM
+        options = [("grpc.so_reuseport", reuse), ("grpc.max_receive_message_length", max_message)]
+        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=cap)
+        service = ExtProcService(
+            self.router, self.telemetry, self.opts.default_body_mode, self.parser, self.opts.response_headers
+        )
         pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if self.opts.enable_explain_grpc:

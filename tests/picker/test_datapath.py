@@ -1,6 +1,7 @@
 """The data path through a real Envoy: what the picker receives per request in the shipped default
-config (no response body at all), and a streamed response through GIE's own test config (which
-sends response bodies FULL_DUPLEX_STREAMED: each chunk is echoed unchanged)."""
+config (BUFFERED request body: one message for the headers, one for the body; nothing of the
+response, whose headers the picker skips per request), and a streamed response through GIE's own
+test config (which sends response bodies FULL_DUPLEX_STREAMED: each chunk is echoed unchanged)."""
 
 from __future__ import annotations
 
@@ -67,18 +68,39 @@ def _check_stream(events: list[bytes], chunks: int) -> None:
     assert [d["i"] for d in docs] == list(range(chunks)), "events lost, duplicated or reordered"
 
 
-def test_shipped_default_config_sends_the_picker_no_response_body(tmp_path: pathlib.Path) -> None:
+def _four_requests(st: Stack) -> dict[str, float]:
+    """Messages by kind for 3 plain requests and 1 streamed one, all answered in full."""
+    before = _messages(st)
+    for i in range(3):
+        status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": f"plain {i}"})
+        assert status == 200, body
+    _check_stream(_events(_stream(st, 40)), 40)
+    st.wait_in_flight_zero()  # the end of each request still reached accounting
+    after = _messages(st)
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+def test_shipped_default_config_sends_the_picker_two_messages_per_request(tmp_path: pathlib.Path) -> None:
     with stack(tmp_path) as st:
-        before = _messages(st)
-        for i in range(3):
-            status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": f"plain {i}"})
-            assert status == 200, body
-        _check_stream(_events(_stream(st, 40)), 40)
-        st.wait_in_flight_zero()  # the end of each request still reached accounting
-        after = _messages(st)
-    got = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    assert got["request_headers"] == 4 and got["response_headers"] == 4, got
+        got = _four_requests(st)
+    assert got["request_headers"] == 4 and got["request_body"] == 4, got
+    assert got["response_headers"] == 0, f"response headers not skipped: {got}"
     assert got.get("response_body", 0.0) == 0, f"the picker received response bodies: {got}"
+
+
+@pytest.mark.parametrize(
+    ("envoy_args", "picker_args"),
+    [((), ("--response-headers", "always")), (("--body-mode", "FULL_DUPLEX_STREAMED"), ())],
+    ids=["always", "full-duplex"],
+)
+def test_response_headers_where_they_cannot_or_must_not_be_skipped(
+    envoy_args: tuple[str, ...], picker_args: tuple[str, ...], tmp_path: pathlib.Path
+) -> None:
+    """``--response-headers always`` takes them; in FULL_DUPLEX_STREAMED Envoy ignores the override
+    (the headers are answered after the body) and the requests still work."""
+    with stack(tmp_path, picker_args=picker_args, envoy_args=envoy_args) as st:
+        got = _four_requests(st)
+    assert got["request_headers"] == 4 and got["response_headers"] == 4, got
 
 
 def test_without_response_bodies_a_stream_stays_in_flight_until_it_ends(tmp_path: pathlib.Path) -> None:

@@ -16,7 +16,15 @@ from picker.core.config import RouterConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
 from picker.core.router import Router
-from picker.serving.extproc import BUFFERED, DEST_HEADER, FULL_DUPLEX, MAX_CHUNK, Exchange, ExtProcService
+from picker.serving.extproc import (
+    BUFFERED,
+    DEST_HEADER,
+    FULL_DUPLEX,
+    MAX_CHUNK,
+    NO_BODY,
+    Exchange,
+    ExtProcService,
+)
 from picker.serving.telemetry import Telemetry
 
 
@@ -220,8 +228,6 @@ def test_client_request_id_is_kept_and_not_rewritten() -> None:
 
 # ---- body mode NONE --------------------------------------------------------------------------
 
-NO_BODY = processing_mode_pb2.ProcessingMode.NONE
-
 
 def test_body_mode_none_picks_at_request_headers() -> None:
     """With request_body_mode NONE Envoy sends no body: a POST whose headers do not end the stream
@@ -340,3 +346,30 @@ async def test_unexpected_error_before_the_pick_is_a_500_too(monkeypatch: pytest
     assert resp.immediate_response.status.code == 500
     assert json.loads(resp.immediate_response.body)["error"]["type"] == "internal_error"
     assert all(s.load.in_flight_requests == 0 for s in pool)
+
+
+@pytest.mark.parametrize(
+    ("request_mode", "response_mode", "skipped"),
+    [(BUFFERED, NO_BODY, True), (BUFFERED, FULL_DUPLEX, False), (NO_BODY, NO_BODY, True)],
+)
+def test_response_headers_are_skipped_only_where_nothing_of_the_response_is_wanted(
+    request_mode: int, response_mode: int, skipped: bool
+) -> None:
+    ex, _ = make(request_mode)
+    ex.skip_response_headers = True
+    cfg = pb.ProtocolConfiguration(request_body_mode=request_mode, response_body_mode=response_mode)  # type: ignore[arg-type]
+    [hdr] = ex.on_request_headers(headers(), cfg)
+    assert hdr.HasField("mode_override") is skipped
+    if skipped:
+        mode = hdr.mode_override
+        pm = processing_mode_pb2.ProcessingMode
+        assert mode.response_header_mode == pm.SKIP and mode.response_body_mode == pm.NONE
+        assert mode.request_body_mode == request_mode, "the request side keeps its mode"
+        assert mode.request_header_mode == pm.SEND and mode.request_trailer_mode == pm.SEND
+
+
+def test_the_service_skips_response_headers_only_without_fallbacks() -> None:
+    pool = Pool()
+    assert ExtProcService(Router(RouterConfig(fallbacks=0), pool)).skip_response_headers
+    assert not ExtProcService(Router(RouterConfig(fallbacks=1), pool)).skip_response_headers
+    assert not ExtProcService(Router(RouterConfig(), pool), response_headers="always").skip_response_headers
