@@ -325,9 +325,10 @@ class Exchange:
         return pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=hdrs), clear_route_cache=True)
 
     def _metadata(self) -> struct_pb2.Struct:
-        md = struct_pb2.Struct()
-        md.update({LB_NAMESPACE: {DEST_HEADER: self.destination}})
-        return md
+        """``{"envoy.lb": {DEST_HEADER: destination}}``, built directly (``Struct.update`` walks
+        the dict in Python)."""
+        lb = struct_pb2.Struct(fields={DEST_HEADER: struct_pb2.Value(string_value=self.destination)})
+        return struct_pb2.Struct(fields={LB_NAMESPACE: struct_pb2.Value(struct_value=lb)})
 
     def _headers_response(self, body_len: int | None) -> pb.ProcessingResponse:
         common = self._mutation(body_len)

@@ -22,7 +22,13 @@ class Telemetry:
         r = self.registry = registry or CollectorRegistry()
         self.pool_name = pool_name
         self.extension_points: dict[str, str] = {}
-        """Plugin name → GIE extension point (Filter, Scorer, Picker), for the plugin histogram."""
+        """Plugin name → GIE extension point (Filter, Scorer, Picker), for the plugin histogram;
+        filled before the first request (a plugin's child is bound on its first timing)."""
+        self._plugin_children: dict[str, Histogram] = {}
+        """Plugin name → its bound histogram child: a ``labels()`` lookup costs more than the
+        observation, and each pick times about six plugins. Bounded by the configured plugins."""
+        self._objective_children: dict[tuple[str, str], Counter] = {}
+        """(model, target model) → bound counter child; at most ``MAX_MODEL_LABELS`` + 1."""
         self.requests = Counter(
             "kvpick_requests", "Requests by decision and outcome", ["decision", "outcome"], registry=r
         )
@@ -91,14 +97,22 @@ class Telemetry:
         )
 
     def plugin_timer(self, name: str, seconds: float) -> None:
-        self.plugin.labels(self.extension_points.get(name, "Plugin"), name, name).observe(seconds)
+        child = self._plugin_children.get(name)
+        if child is None:
+            point = self.extension_points.get(name, "Plugin")
+            child = self._plugin_children[name] = self.plugin.labels(point, name, name)
+        child.observe(seconds)
 
     def count_request(self, model: str, target_model: str) -> None:
         """One picked request (``inference_objective_request_total``), label values bounded."""
-        metrics = self.objective_requests._metrics
-        if (model, target_model) not in metrics and len(metrics) >= MAX_MODEL_LABELS:
-            model = target_model = "other"
-        self.objective_requests.labels(model, target_model).inc()
+        child = self._objective_children.get((model, target_model))
+        if child is None:
+            metrics = self.objective_requests._metrics
+            if (model, target_model) not in metrics and len(metrics) >= MAX_MODEL_LABELS:
+                model = target_model = "other"
+            child = self.objective_requests.labels(model, target_model)
+            self._objective_children[(model, target_model)] = child
+        child.inc()
 
     def refresh(self, pool: Pool, index: PrefixIndex) -> None:
         """Update the gauges that mirror state (called on each metrics scrape of the picker)."""
