@@ -53,6 +53,19 @@ cuts those it was passing; bench.reliability measures both). FULL_DUPLEX_STREAME
 config) still works: each chunk is echoed unchanged and the first one times a first-byte
 cross-check.
 
+Several pickers (``--picker a:9002,b:9002,c:9002``, or one name that resolves to several): the
+ext_proc cluster fails over fast, so a dead picker costs little more than the requests it had in
+flight. Envoy does not count ext_proc streams as traffic for its active health checks, so without
+``no_traffic_interval`` it would check every 60 s. Each picker is therefore gRPC-health-checked
+(service ``envoy.service.ext_proc.v3.ExternalProcessor``, on the ext_proc port, as GIE's gateways do)
+every ``--picker-health-interval`` (0.5 s), traffic or not, and marked unhealthy at the first failure;
+outlier detection ejects a picker at its first local-origin failure (connect refused, reset:
+split from the picker's own answers), before its next health check; and the ext_proc stream is
+opened with ``grpc_service.retry_policy``, retried on another picker on a connect failure, a refused
+stream or a reset before any response (checked on Envoy 1.40: a stream whose picker had just been
+SIGKILLed is retried on a live one, as ``tests/precise/test_three_pickers.py`` shows). What remains is the
+requests whose stream was already on the killed picker: they follow the failure mode.
+
 Timeouts: no total route timeout (a generation may stream for many minutes); a stream with no bytes
 either way for ``--stream-idle-timeout`` (300 s, GIE's HTTPRoute request timeout) is reset; request
 headers must arrive in 10 s; idle downstream connections close after 300 s and idle upstream ones
@@ -86,6 +99,7 @@ def _ext_proc(picker: str, failure_open: bool, request_mode: str, response_mode:
             "grpc_service": {
                 "envoy_grpc": {"cluster_name": "kvpick_picker", "authority": picker},
                 "timeout": "10s",
+                "retry_policy": _picker_retry(),
             },
             "failure_mode_allow": failure_open,
             "allow_mode_override": True,
@@ -183,19 +197,67 @@ def _load_assignment(name: str, endpoints: list[str]) -> dict[str, Any]:
     }
 
 
-def _picker_cluster(picker: str, tls: bool) -> dict[str, Any]:
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+def _picker_retry() -> dict[str, Any]:
+    """Opening the ext_proc stream is retried on another picker when the first did not take it:
+    nothing reached a picker, so nothing is done twice."""
+    return {
+        "retry_on": "connect-failure,refused-stream,reset-before-request",
+        "num_retries": 2,
+        "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {"@type": _T + "retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+            }
+        ],
+        "host_selection_retry_max_attempts": 5,
+    }
+
+
+def _picker_failover(health_interval: str) -> dict[str, Any]:
+    """Active gRPC health checks (traffic or not) and outlier detection (module doc)."""
+    return {
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": health_interval,
+                "no_traffic_interval": health_interval,
+                "no_traffic_healthy_interval": health_interval,
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
+            }
+        ],
+        "outlier_detection": {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "consecutive_gateway_failure": 2,
+            "enforcing_consecutive_gateway_failure": 100,
+            "interval": "1s",
+            "base_ejection_time": "2s",
+            "max_ejection_percent": 50,
+        },
+    }
+
+
+def _picker_cluster(pickers: list[str], tls: bool, health_interval: str) -> dict[str, Any]:
     c: dict[str, Any] = {
         "name": "kvpick_picker",
-        "type": "STATIC",
+        "type": "STATIC" if all(_is_ip(p) for p in pickers) else "STRICT_DNS",
         "connect_timeout": "5s",
         "lb_policy": "ROUND_ROBIN",
+        **_picker_failover(health_interval),
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _T + "upstreams.http.v3.HttpProtocolOptions",
                 "explicit_http_config": {"http2_protocol_options": {}},
             }
         },
-        "load_assignment": _load_assignment("kvpick_picker", [picker]),
+        "load_assignment": _load_assignment("kvpick_picker", pickers),
     }
     if tls:
         c["transport_socket"] = {
@@ -412,8 +474,12 @@ def render(
     fallback: list[str] | None = None,
     stream_idle_timeout: str = "300s",
     max_body_bytes: int = MAX_BODY,
+    picker_health_interval: str = "0.5s",
 ) -> dict[str, Any]:
-    """The whole Envoy bootstrap. ``body_mode`` is the request body's; see the module doc."""
+    """The whole Envoy bootstrap. ``body_mode`` is the request body's; ``picker`` is one or more
+    comma-separated ext_proc addresses; see the module doc."""
+    pickers = _split(picker)
+    picker = pickers[0]  # the ext_proc stream's :authority
     _check(failure_open, body_mode, response_body_mode, upstream, endpoints, fallback)
     routes = _routes(upstream, retries, stream_idle_timeout, (fallback or []) if failure_open else [])
     ext_proc = _ext_proc(picker, failure_open, body_mode, response_body_mode)
@@ -439,7 +505,7 @@ def render(
     }
     if body_mode == "BUFFERED":  # the whole body is held in Envoy: allow what the picker allows
         listener["per_connection_buffer_limit_bytes"] = max_body_bytes + 64 * 1024
-    clusters = [_picker_cluster(picker, tls)]
+    clusters = [_picker_cluster(pickers, tls, picker_health_interval)]
     clusters.append(_pool_cluster(endpoints or []) if upstream == "pool" else _original_dst_cluster())
     if failure_open and upstream == "original-dst":
         clusters.append(_fallback_cluster(fallback or []))
@@ -457,7 +523,16 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--listen-port", type=int, default=8080)
     p.add_argument("--admin-port", type=int, default=9901, help="bound to 127.0.0.1")
-    p.add_argument("--picker", default="127.0.0.1:9002", help="picker ext_proc address ip:port")
+    p.add_argument(
+        "--picker",
+        default="127.0.0.1:9002",
+        help="picker ext_proc address host:port, or several comma-separated (one ext_proc cluster)",
+    )
+    p.add_argument(
+        "--picker-health-interval",
+        default="0.5s",
+        help="how often each picker is gRPC-health-checked, traffic or not",
+    )
     p.add_argument(
         "--plaintext", action="store_true", help="talk to the picker without TLS (--secure-serving=false)"
     )
@@ -510,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
             fallback=_split(a.fallback),
             stream_idle_timeout=a.stream_idle_timeout,
             max_body_bytes=a.max_body_bytes,
+            picker_health_interval=a.picker_health_interval,
         )
     except ValueError as err:
         parser().error(str(err))

@@ -104,6 +104,11 @@ class PrefixConfig:
     tokenizer_cache_entries: int = 64
     """Texts whose tokenization is kept for reuse by requests sharing their prefix (0: off; off
     for a tokenizer that does not split words at whitespace, see ``picker.core.tokenize.cache``)."""
+    remote_tokenize: bool = True
+    """Without ``tokenizer``, ask a ready replica's vLLM ``/tokenize`` for the prompt's ids
+    (``picker.core.tokenize.remote``); false: such text prompts are matched approximately."""
+    remote_tokenize_timeout_s: float = 0.5
+    remote_tokenize_cache_entries: int = 256
 
     def __post_init__(self) -> None:
         if self.mode not in PREFIX_MODES:
@@ -112,8 +117,10 @@ class PrefixConfig:
             raise ValueError("prefix.kv_events_port / kv_events_replay_port must be TCP ports")
         if self.block_size < 0 or self.speculative_ttl_s < 0 or self.refill_s < 0:
             raise ValueError("prefix.block_size, speculative_ttl_s and refill_s must be >= 0")
-        if self.tokenizer_cache_entries < 0:
-            raise ValueError("prefix.tokenizer_cache_entries must be >= 0")
+        if self.tokenizer_cache_entries < 0 or self.remote_tokenize_cache_entries < 0:
+            raise ValueError("prefix.tokenizer_cache_entries and remote_tokenize_cache_entries must be >= 0")
+        if self.remote_tokenize_timeout_s <= 0:
+            raise ValueError("prefix.remote_tokenize_timeout_s must be > 0")
         if self.max_blocks_per_endpoint < 1:
             raise ValueError("prefix.max_blocks_per_endpoint must be >= 1")
 

@@ -38,6 +38,7 @@ from picker.core.scheduling.profile import PluginTimer, Profile, Result
 from picker.core.scheduling.types import Cycle
 from picker.core.tokenize import PromptTokenizer
 from picker.core.tokenize import load as load_tokenizer
+from picker.core.tokenize.remote import RemoteTokenizer
 
 
 @dataclass(slots=True)
@@ -93,6 +94,8 @@ class Router:
         self.syncs: dict[str, Sync] = {}
         """Endpoint key → its event stream's state. Writer: whoever feeds ``precise``."""
         self.tokenizer: PromptTokenizer | None = None
+        self.remote_tokenizer: RemoteTokenizer | None = None
+        """vLLM's ``/tokenize``, in precise and auto modes when no ``tokenizer`` is configured."""
         self.on_pick: Callable[[str, list[int] | None, list[int]], None] | None = None
         """Told of every pick (endpoint, KV-block keys, text-block hashes): ``picker.core.peers``."""
         if pcfg.mode != "approximate":
@@ -103,7 +106,11 @@ class Router:
                     self.tokenizer = load_tokenizer(pcfg.tokenizer, pcfg.tokenizer_cache_entries)
                 except Exception as exc:  # tokenizers raises its own Exception types
                     raise ValueError(f"prefix.tokenizer {pcfg.tokenizer!r}: {exc}") from exc
-        if self.tokenizer is not None:
+            elif pcfg.remote_tokenize:
+                self.remote_tokenizer = RemoteTokenizer(
+                    pcfg.remote_tokenize_timeout_s, pcfg.remote_tokenize_cache_entries
+                )
+        if self.tokenizer is not None or self.remote_tokenizer is not None:
             self.parse_options = dataclasses.replace(self.parse_options, keep_doc=True)
         pool.on_remove(lambda s: self.index.remove(s.key))
         pool.on_remove(self.calibrator.forget)
@@ -119,6 +126,20 @@ class Router:
         if self.tokenizer is None or req.prompt_token_ids is not None or not doc:
             return req
         ids = self.tokenizer.encode(doc, path)
+        return req if ids is None else dataclasses.replace(req, prompt_token_ids=ids)
+
+    async def tokenize_remote(
+        self, req: InferenceRequest, doc: dict[str, Any], path: str, subset: Collection[str] | None = None
+    ) -> InferenceRequest:
+        """``req`` with its prompt's ids from a ready replica's ``/tokenize`` (one in ``subset``),
+        when the remote tokenizer is on and the ids are not known yet (else ``req`` unchanged)."""
+        if self.remote_tokenizer is None or req.prompt_token_ids is not None or not doc:
+            return req
+        try:
+            endpoint = self.any_ready(subset).key
+        except NoEndpoints:  # none ready: the pick says so
+            return req
+        ids = await self.remote_tokenizer.encode(req.model, doc, path, endpoint)
         return req if ids is None else dataclasses.replace(req, prompt_token_ids=ids)
 
     def is_precise(self, key: str) -> bool:

@@ -14,13 +14,16 @@ from picker.core.router import Router
 from picker.serving.errors import encode as encode_error
 
 
-def explain(router: Router, path: str, body: bytes, policy: str, headers: dict[str, str]) -> dict[str, Any]:
+async def explain(
+    router: Router, path: str, body: bytes, policy: str, headers: dict[str, str]
+) -> dict[str, Any]:
     """Shared by the HTTP and gRPC faces: parse, validate the policy, explain."""
     if policy and policy not in router.profiles:
         raise BadRequest(f"unknown policy {policy!r}; known: {sorted(router.profiles)}")
     path = path or "/v1/completions"
     req, doc = request_mod.parse(body, path, headers, opts=router.parse_options)
-    return router.explain(router.tokenize(req, doc, path), policy or None)
+    req = await router.tokenize_remote(router.tokenize(req, doc, path), doc, path)
+    return router.explain(req, policy or None)
 
 
 class ExplainService(pb_grpc.ExplainServicer):  # type: ignore[misc]
@@ -31,7 +34,7 @@ class ExplainService(pb_grpc.ExplainServicer):  # type: ignore[misc]
         self, request: pb.ExplainRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExplainResponse:
         try:
-            doc = explain(
+            doc = await explain(
                 self.router,
                 request.path,
                 request.body,

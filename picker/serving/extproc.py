@@ -398,14 +398,17 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def _offload(self, ex: Exchange, msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
         """A body's last chunk, when work must leave the event loop: a large body is parsed in
         the worker process; with a tokenizer (precise mode) the prompt is tokenized in a thread
-        (HF ``tokenizers`` releases the GIL). The chunk is buffered and the exchange finishes on
-        an empty end-of-stream chunk. Other messages pass unchanged."""
+        (HF ``tokenizers`` releases the GIL), or, with none, by a replica's ``/tokenize`` (awaited,
+        bounded). The chunk is buffered and the exchange finishes on an empty end-of-stream
+        chunk. Other messages pass unchanged."""
         if msg.WhichOneof("request") != "request_body" or ex.picked:
             return msg
         chunk = msg.request_body
         size = ex.size + len(chunk.body)
         offload = self.parser is not None and self.parser.offloads(size)
-        tokenize = self.router.tokenizer is not None and size > 0
+        tokenize = (
+            self.router.tokenizer is not None or self.router.remote_tokenizer is not None
+        ) and size > 0
         if not chunk.end_of_stream or not (offload or tokenize):
             return msg
         ex.absorb(chunk)
@@ -418,7 +421,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             ex.parsed = request_mod.parse_and_rewrite(body, path, ex.headers, self.router.parse_options)
         req, new_body, doc = ex.parsed
         if tokenize and doc is not None:
-            req = await asyncio.to_thread(self.router.tokenize, req, doc, path)
+            if self.router.tokenizer is not None:
+                req = await asyncio.to_thread(self.router.tokenize, req, doc, path)
+            else:
+                req = await self.router.tokenize_remote(req, doc, path, ex.subset)
             ex.parsed = (req, new_body, doc)
         return pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True))
 

@@ -53,7 +53,7 @@ def debug_app(router: Router) -> web.Application:
     async def explain(req: web.Request) -> web.Response:
         body = await req.read()
         try:
-            doc = explain_mod.explain(
+            doc = await explain_mod.explain(
                 router,
                 req.query.get("path", ""),
                 body,

@@ -215,6 +215,8 @@ class PickerServer:
                 if subs is not None:
                     await subs.close()
                 self.parser.close(wait=True)
+                if self.router.remote_tokenizer is not None:
+                    await self.router.remote_tokenizer.close()
                 if peers is not None:
                     peers.close()
 

@@ -94,6 +94,27 @@ class Api:
             prompt, max(1, max_tokens), core.pool.block_size, lora, str(doc.get("cache_salt") or "")
         )
 
+    async def tokenize(self, http: web.Request) -> web.Response:
+        """vLLM's ``POST /tokenize``: ``{"model", "prompt"}`` or ``{"model", "messages", ...}`` →
+        ``{"count", "max_model_len", "tokens", "token_strs"}``, the ids a completion or chat
+        request with that prompt is served with (the simulator's own tokenizer and chat format)."""
+        try:
+            doc = json.loads(await http.read())
+            if not isinstance(doc, dict) or not ("prompt" in doc or "messages" in doc):
+                raise BadRequest("body must be an object with prompt or messages")
+            name = doc.get("model") or self.model
+            if name != self.model and name not in self.loras:
+                raise BadRequest(f"The model `{name}` does not exist.", 404)
+            ids = _prompt(doc)
+        except ValueError as exc:
+            return web.json_response({"error": {"message": f"bad JSON: {exc}"}}, status=400)
+        except BadRequest as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=exc.status)
+        limit = self.engine.core.max_model_len
+        return web.json_response(
+            {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None}
+        )
+
     async def complete(self, http: web.Request) -> web.StreamResponse:
         chat = http.path.endswith("/chat/completions")
         try:
@@ -223,6 +244,7 @@ def make_app(
     app.router.add_post("/v1/completions", api.complete)
     app.router.add_post("/v1/chat/completions", api.complete)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", api.tokenize)
     app.router.add_get("/metrics", prom)
     app.router.add_get("/health", health)
     app.router.add_post("/reset_prefix_cache", reset)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 import msgpack
 import pytest
+import zmq
 
 from kvlaunch import free_port
 from picker.core.config import PrefixConfig, RouterConfig
@@ -159,7 +160,12 @@ async def test_peers_found_by_dns_follow_restarts_and_scaling() -> None:
             await tasks["b"]
         peer_b.close()
         b2 = router("precise")
-        peer_b2 = peer(b2, "127.0.0.2", "b2")
+        for _ in range(50):  # ZMQ releases the old socket's port in its I/O thread, a moment later
+            try:
+                peer_b2 = peer(b2, "127.0.0.2", "b2")
+                break
+            except zmq.ZMQError:
+                await asyncio.sleep(0.05)
         tasks["b"] = asyncio.create_task(peer_b2.run())
         await hears(peer_a, b2, req, "A hears the restarted B")
         names.discard("127.0.0.2")  # scaled down

@@ -35,6 +35,7 @@ HEALTH_INTERVAL_S = 0.5
 
 
 def envoy_config(listen: int, pickers: list[int]) -> dict[str, Any]:
+    """The shipped config (render.py) with an ext_proc cluster of the three pickers, unchanged."""
     out = subprocess.run(
         [
             PY,
@@ -44,7 +45,7 @@ def envoy_config(listen: int, pickers: list[int]) -> dict[str, Any]:
             "--admin-port",
             str(free_port()),
             "--picker",
-            f"127.0.0.1:{pickers[0]}",
+            ",".join(f"127.0.0.1:{p}" for p in pickers),
             "--plaintext",
         ],
         check=True,
@@ -52,24 +53,6 @@ def envoy_config(listen: int, pickers: list[int]) -> dict[str, Any]:
         text=True,
     ).stdout
     doc = yaml.safe_load(out)
-    cluster = next(c for c in doc["static_resources"]["clusters"] if c["name"] == "kvpick_picker")
-    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
-        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-        for p in pickers
-    ]
-    cluster["health_checks"] = [
-        {
-            "timeout": "0.25s",
-            "interval": f"{HEALTH_INTERVAL_S}s",
-            # ext_proc's gRPC streams do not count as traffic for the health checker: without
-            # these it checks every 60 s (no_traffic_interval's default)
-            "no_traffic_interval": f"{HEALTH_INTERVAL_S}s",
-            "no_traffic_healthy_interval": f"{HEALTH_INTERVAL_S}s",
-            "unhealthy_threshold": 1,
-            "healthy_threshold": 1,
-            "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
-        }
-    ]
     assert isinstance(doc, dict)
     return doc
 
@@ -149,16 +132,16 @@ def test_sigkill_one_of_three_pickers_under_load(tmp_path: pathlib.Path) -> None
                 f.result()
         kill = killed_at[0]
         before = [s for t0, t1, s in results if t1 < kill]
-        after = [s for t0, _, s in results if t0 > kill + 2 * HEALTH_INTERVAL_S + 0.5]
-        window = [s for t0, t1, s in results if t1 >= kill and t0 <= kill + 2 * HEALTH_INTERVAL_S + 0.5]
-        failed_window = sum(s != 200 for s in window)
+        in_flight = [s for t0, t1, s in results if t0 <= kill <= t1]
+        later = [s for t0, _, s in results if t0 > kill]
         summary = (
-            f"{len(before)} before the kill (all 200: {all(s == 200 for s in before)}), "
-            f"{failed_window} of {len(window)} failed around it, {len(after)} after"
+            f"{len(before)} done before the kill (failed: {sum(s != 200 for s in before)}), "
+            f"{len(in_flight)} in flight at it (failed: {sum(s != 200 for s in in_flight)}, at most the "
+            f"killed picker's), {len(later)} sent after it (failed: {sum(s != 200 for s in later)}"
+            f"{[(round(t0 - kill, 3), s) for t0, _, s in results if t0 > kill and s != 200]})"
         )
         print(summary)
         assert before and all(s == 200 for s in before), summary
-        assert after and all(s == 200 for s in after), f"Envoy moved to the survivors: {summary}"
-        assert failed_window < len(window), summary
+        assert later and all(s == 200 for s in later), f"failed beyond those in flight: {summary}"
     finally:
         procs.stop()
