@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
+from kvlaunch import Procs, Stack, free_port, http
 from picker.core.tokenize.remote import RemoteTokenizer, tokenize_body
 from replica.sim import tokenizer as sim_tokenizer
 from tests.precise.test_picker_precise import HOSTS, MODEL, debug, start_sim, wait_for
-from tests.support.procs import Procs, Stack, free_port, http
 
 pytestmark = [pytest.mark.precise]
 TEXT = "".join(f"w{i:03d}" for i in range(16 * 12))  # 12 blocks of 16 four-character tokens
@@ -32,7 +32,7 @@ def sim(tmp_path: pathlib.Path) -> AsyncIterator[str]:
         start_sim(procs, "127.0.0.1", port, free_port())
         yield f"127.0.0.1:{port}"
     finally:
-        procs.close()
+        procs.stop()
 
 
 async def test_ids_are_the_replicas_and_repeats_are_cached(sim: str) -> None:
@@ -135,4 +135,4 @@ def test_precise_text_prompts_without_a_tokenizer(tmp_path: pathlib.Path) -> Non
             cached = json.loads(out)["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached == row["cached_tokens_est"] == 12 * 16, (cached, row)
     finally:
-        procs.close()
+        procs.stop()
