@@ -198,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"replicas' KV-event replay (ROUTER) port, 0 for none {_from_config(cfg.prefix.kv_events_replay_port)}",
     )
     r.add_argument(
+        "--data-parallel-ports",
+        default=None,
+        help="serving ports of data-parallel ranks 0..N-1 (e.g. 8000,8001): the endpoint on the r-th "
+        "is subscribed at the KV-event ports + r, where vLLM's rank r publishes "
+        f"{_from_config(cfg.prefix.data_parallel_ports or 'none')}",
+    )
+    r.add_argument(
         "--workers",
         type=int,
         default=1,
@@ -283,12 +290,22 @@ def build_config(args: argparse.Namespace) -> config_mod.RouterConfig:
             "kv_events_port": args.kv_events_port,
             "kv_events_replay_port": args.kv_events_replay_port,
             "tokenizer": args.tokenizer,
+            "data_parallel_ports": _ports(args.data_parallel_ports),
         }.items()
         if v is not None
     }
     if prefix:
         changes["prefix"] = dataclasses.replace(cfg.prefix, **prefix)
     return dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]
+
+
+def _ports(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(p) for p in text.split(",") if p)
+    except ValueError as exc:
+        raise ValueError(f"--data-parallel-ports must be comma-separated ports, got {text!r}") from exc
 
 
 def build_provider(args: argparse.Namespace) -> EndpointProvider:

@@ -90,6 +90,10 @@ class PrefixConfig:
     """vLLM's ``--kv-events-config`` ``endpoint`` port, the same on every replica."""
     kv_events_replay_port: int = 0
     """vLLM's ``replay_endpoint`` port (0: no replay; a gap then drops the endpoint's entries)."""
+    data_parallel_ports: tuple[int, ...] = ()
+    """Serving ports of data-parallel ranks 0..N-1 on one host (vLLM publishes rank r's events on
+    ``kv_events_port + r`` and replays them on ``kv_events_replay_port + r``): an endpoint on the
+    r-th of these ports is subscribed at its rank's ports; any other endpoint at the base ports."""
     kv_events_topic: str = ""
     """Topic prefix subscribed to ("" takes every topic)."""
     block_size: int = 0
@@ -121,6 +125,11 @@ class PrefixConfig:
             raise ValueError("prefix.tokenizer_cache_entries and remote_tokenize_cache_entries must be >= 0")
         if self.remote_tokenize_timeout_s <= 0:
             raise ValueError("prefix.remote_tokenize_timeout_s must be > 0")
+        object.__setattr__(self, "data_parallel_ports", tuple(self.data_parallel_ports))  # YAML gives a list
+        if len(set(self.data_parallel_ports)) != len(self.data_parallel_ports) or not all(
+            isinstance(p, int) and 0 < p < 65536 for p in self.data_parallel_ports
+        ):
+            raise ValueError("prefix.data_parallel_ports must be distinct TCP ports")
         if self.max_blocks_per_endpoint < 1:
             raise ValueError("prefix.max_blocks_per_endpoint must be >= 1")
 

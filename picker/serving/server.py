@@ -263,6 +263,7 @@ class PickerServer:
             p.kv_events_replay_port,
             p.kv_events_topic,
             p.refill_s,
+            p.data_parallel_ports,
         )
 
     def stop(self) -> None:

@@ -57,6 +57,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-events-topic", default="kv")
     p.add_argument(
+        "--data-parallel-rank",
+        type=int,
+        default=0,
+        help="as vLLM: this rank publishes (and replays) its KV events on the event ports + rank",
+    )
+    p.add_argument(
         "--kv-events-replay-port",
         type=int,
         default=0,
@@ -108,9 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         events = None
         if a.kv_events_port:
             lora_ids = {name: i + 1 for i, name in enumerate(loras)}
-            replay = f"tcp://{a.host}:{a.kv_events_replay_port}" if a.kv_events_replay_port else None
+            rank = a.data_parallel_rank  # vLLM's ZmqEventPublisher.offset_endpoint_port
+            replay_port = a.kv_events_replay_port + rank if a.kv_events_replay_port else 0
+            replay = f"tcp://{a.host}:{replay_port}" if replay_port else None
             events = Publisher(
-                f"tcp://{a.host}:{a.kv_events_port}", a.block_size, a.kv_events_topic, lora_ids, replay
+                f"tcp://{a.host}:{a.kv_events_port + rank}", a.block_size, a.kv_events_topic, lora_ids, replay
             )
         core = EngineCore(prof, engine_config(a), events.publish if events else None)
         engine = AsyncEngine(core)

@@ -10,7 +10,7 @@ from typing import Any
 import helm_python
 import pytest
 
-from picker.__main__ import _peer_options, build_parser
+from picker.__main__ import _peer_options, build_config, build_parser
 from tests.chart.test_chart import NS, RELEASE, one, picker_labels, render, sim_parser, validate
 from tests.chart.test_chart_hardening import _selects, admitted
 
@@ -51,6 +51,15 @@ def test_precise_values_render_and_validate() -> None:
     assert ports["kv-events"] == args.kv_events_port, "the picker subscribes where vLLM publishes"
     kv = json.loads(next(a for a in vllm["args"] if a.startswith("--kv-events-config=")).split("=", 1)[1])
     assert kv["endpoint"] == "tcp://*:5600" and kv["enable_kv_cache_events"] is True
+
+
+def test_data_parallel_ranks_are_subscribed_at_their_offset_ports() -> None:
+    """One targetPort per rank, in rank order: the picker subscribes rank r at kvEventsPort + r."""
+    ranks = {"inferencePool": {"targetPorts": [{"number": 8000}, {"number": 8001}, {"number": 8002}]}}
+    for values, ports in ((ranks, (8000, 8001, 8002)), ({}, (8000,))):
+        args = picker_args(render(values))
+        args.config_file = None  # the ConfigMap's file is not here; the flag overrides it anyway
+        assert build_config(args).prefix.data_parallel_ports == ports
 
 
 def test_defaults_publish_and_subscribe_on_one_port_without_a_tokenizer() -> None:

@@ -2,7 +2,9 @@
 
 The pool's add/remove listeners start and stop them: an endpoint ``ip:port`` is subscribed at
 ``tcp://ip:{kv_events_port}`` (and replayed from ``tcp://ip:{kv_events_replay_port}`` when that
-port is set), the same ports on every replica, as vLLM's ``--kv-events-config`` sets them. A
+port is set), the same ports on every replica, as vLLM's ``--kv-events-config`` sets them; an
+endpoint on the r-th of ``rank_ports`` (data-parallel rank r's serving port) at those ports + r,
+where vLLM's rank r publishes. A
 removed endpoint's task is cancelled and its entries forgotten; an endpoint that stops answering
 its scrapes (``suspect``) has its entries dropped, as a restarted replica's cache is empty.
 
@@ -36,8 +38,10 @@ class Subscribers:
         replay_port: int = 0,
         topic: str = "",
         refill_s: float = 30.0,
+        rank_ports: tuple[int, ...] = (),
     ) -> None:
         assert 0 < port < 65536, f"kv events port must be a TCP port, got {port}"
+        self.rank_of = {p: r for r, p in enumerate(rank_ports)}
         self.index, self.syncs, self.port, self.replay_port = index, syncs, port, replay_port
         self.topic, self.refill_s = topic, refill_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -55,10 +59,11 @@ class Subscribers:
         key = state.key
         if key in self._tasks:
             return
-        host = state.endpoint.address
-        replay = f"tcp://{_host(host)}:{self.replay_port}" if self.replay_port else None
+        host = _host(state.endpoint.address)
+        rank = self.rank_of.get(state.endpoint.port, 0)
+        replay = f"tcp://{host}:{self.replay_port + rank}" if self.replay_port else None
         sub = Subscriber(
-            key, self.index, f"tcp://{_host(host)}:{self.port}", replay, self.topic, self.refill_s, self._ctx
+            key, self.index, f"tcp://{host}:{self.port + rank}", replay, self.topic, self.refill_s, self._ctx
         )
         self.syncs[key] = sub.sync
         task = asyncio.get_running_loop().create_task(sub.run(), name=f"kv-events {key}")

@@ -1,0 +1,347 @@
+"""1, 2 and 3 picker replicas behind one real Envoy (the shipped config, an ext_proc cluster of N),
+in precise mode, sharing picks and in-flight load over the peer channel, in front of simulated
+replicas that publish KV events (each on its own loopback address, one port, as pods).
+
+    python -m bench.pickers --pickers 1,2,3 --repeats 3            # the scaling table
+    python -m bench.pickers --failover --repeats 3                 # SIGKILL 1 of 3 under load
+
+Scaling: a shared-prefix workload (text prompts; the pickers have no tokenizer, so each new
+prompt's ids come from a replica's vLLM-style ``/tokenize``) at a fixed Poisson rate. Per case:
+the pickers' CPU per request (utime + stime from ``/proc`` of every picker process tree, summed),
+the hit rate (the replicas' ``cached_tokens`` / ``prompt_tokens``), TTFT p50 / p90 and the achieved
+throughput. The cases are interleaved within each repeat (1, 2, 3, 1, 2, 3, ...), fresh pickers and
+emptied replica caches for each, so machine noise falls on all of them alike.
+
+Failover: 3 pickers, ``--clients`` closed-loop clients; one picker is SIGKILLed after
+``--kill-after`` seconds. Reported: requests in flight at the kill and how many failed (at most those
+whose ext_proc stream was on the killed picker), requests sent after it and how many failed (the
+target is 0), and the hit rate of the requests sent in the second after the kill against the rest.
+
+Results: ``bench/results/pickers.md`` (and ``.json``), medians over the repeats with [min-max].
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import aiohttp
+
+from kvlaunch import ENVOY, PY, ROOT, Procs, free_port, http, wait_port
+
+from .datapath import cpu_seconds
+from .loadgen import LoadConfig, run
+from .stats import summarize
+from .workloads import shared_prefix
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+RESULTS = ROOT / "bench" / "results"
+
+
+@dataclass
+class Fleet:
+    """Simulated replicas on 127.0.0.(i+1), all on one HTTP port and one KV-event port."""
+
+    port: int
+    events: int
+    hosts: list[str]
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(f"{h}:{self.port}" for h in self.hosts)
+
+    def reset(self) -> None:
+        for h in self.hosts:
+            deadline = time.monotonic() + 30
+            while http("POST", f"http://{h}:{self.port}/reset_prefix_cache")[0] != 200:
+                assert time.monotonic() < deadline, f"{h} kept refusing to reset its cache"
+                time.sleep(0.2)
+
+
+def start_fleet(procs: Procs, n: int, kv_blocks: int) -> Fleet:
+    fleet = Fleet(free_port(), free_port(), [f"127.0.0.{i + 1}" for i in range(n)])
+    for h in fleet.hosts:
+        args = [
+            "--host",
+            h,
+            "--port",
+            str(fleet.port),
+            "--model",
+            MODEL,
+            "--kv-events-port",
+            str(fleet.events),
+        ]
+        args += ["--kv-blocks", str(kv_blocks)] if kv_blocks else []
+        proc = procs.start(f"sim-{h}", [PY, "-m", "replica.sim", *args])
+        wait_port(fleet.port, host=h, proc=proc, timeout=60)
+    return fleet
+
+
+@dataclass
+class Pickers:
+    pids: list[int]
+    grpc: list[int]
+    url: str
+
+    def cpu(self) -> float:
+        return sum(cpu_seconds(p) for p in self.pids)
+
+
+def start_pickers(procs: Procs, n: int, fleet: Fleet, tag: str) -> Pickers:
+    peers = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
+    grpc = [free_port() for _ in range(n)]
+    pids = []
+    for i in range(n):
+        args = [
+            "--endpoints",
+            fleet.endpoints,
+            "--prefix-mode",
+            "precise",
+            "--kv-events-port",
+            str(fleet.events),
+        ]
+        args += ["--host", "127.0.0.1", "--grpc-port", str(grpc[i]), "--grpc-health-port", str(free_port())]
+        args += ["--metrics-port", str(free_port()), "--log-level", "warning", "--drain-timeout", "1"]
+        args += ["--peer-bind", peers[i], "--peers", ",".join(p for j, p in enumerate(peers) if j != i)]
+        proc = procs.start(f"picker-{tag}-{i}", [PY, "-m", "picker", *args])
+        wait_port(grpc[i], proc=proc, timeout=60)
+        pids.append(proc.pid)
+    listen = free_port()
+    render = [PY, str(ROOT / "deploy/envoy/render.py"), "--listen-port", str(listen)]
+    render += ["--admin-port", str(free_port()), "--picker", ",".join(f"127.0.0.1:{g}" for g in grpc)]
+    cfg = procs.run_dir / f"envoy-{tag}.yaml"
+    cfg.write_text(subprocess.run(render, check=True, capture_output=True, text=True).stdout)
+    base_id = str(os.getpid() % 1000 + 7000 + len(procs.procs))
+    proc = procs.start(f"envoy-{tag}", [ENVOY, "-c", str(cfg), "--base-id", base_id, "-l", "warning"])
+    wait_port(listen, proc=proc, timeout=60)
+    url = f"http://127.0.0.1:{listen}"
+    body = json.dumps({"model": MODEL, "prompt": "warm up", "max_tokens": 1}).encode()
+    deadline = time.monotonic() + 60
+    while http("POST", url + "/v1/completions", body, {"content-type": "application/json"})[0] != 200:
+        assert time.monotonic() < deadline, procs.log(f"envoy-{tag}")[-2000:]
+        time.sleep(0.2)
+    return Pickers(pids, grpc, url)
+
+
+@contextmanager
+def pickers_running(procs: Procs, n: int, fleet: Fleet, tag: str) -> Iterator[Pickers]:
+    first = len(procs.procs)
+    try:
+        yield start_pickers(procs, n, fleet, tag)
+    finally:
+        for name, _ in procs.procs[first:]:
+            procs.stop(name, timeout=5)
+        del procs.procs[first:]
+
+
+@dataclass
+class Case:
+    pickers: int
+    repeat: int
+    requests: int
+    errors: int
+    cpu_ms_per_request: float
+    """All the pickers' CPU during the run, per request."""
+    net_cpu_ms_per_request: float
+    """The same less their idle rate (scrapes, health checks, peer reports) times the run's wall."""
+    idle_cpu_ms_per_s: float
+    hit_rate: float
+    ttft_p50: float
+    ttft_p90: float
+    throughput_rps: float
+
+
+def scaling_case(procs: Procs, fleet: Fleet, n: int, repeat: int, a: argparse.Namespace) -> Case:
+    w = shared_prefix(a.groups, a.per_group, a.prefix_tokens, a.question_tokens, a.output_tokens, seed=repeat)
+    with pickers_running(procs, n, fleet, f"{n}-{repeat}") as pk:
+        fleet.reset()
+        time.sleep(1.0)
+        idle0, t0 = pk.cpu(), time.monotonic()
+        time.sleep(a.idle_s)
+        idle_rate = (pk.cpu() - idle0) / (time.monotonic() - t0)
+        cpu0 = pk.cpu()
+        cfg = LoadConfig(mode="poisson", rate=a.rate, model=MODEL, seed=repeat, progress=False)
+        outcomes, wall = asyncio.run(run([pk.url], w, cfg))
+        cpu = pk.cpu() - cpu0
+    s = summarize(outcomes, wall)
+    per = 1000 / max(1, s.requests)
+    case = Case(
+        n, repeat, s.requests, s.errors, per * cpu, per * max(0.0, cpu - idle_rate * wall),
+        1000 * idle_rate, s.hit_rate, s.ttft_p50, s.ttft_p90, s.throughput_rps,
+    )  # fmt: skip
+    print(json.dumps(asdict(case)), flush=True)
+    return case
+
+
+@dataclass
+class Failover:
+    repeat: int
+    before: int
+    before_failed: int
+    in_flight: int
+    in_flight_failed: int
+    after: int
+    after_failed: int
+    hit_first_second: float
+    hit_rest: float
+
+
+async def _closed_loop(url: str, prompts: list[str], clients: int, stop: asyncio.Event) -> list[tuple[float, float, int, int, int]]:  # fmt: skip
+    """(sent, done, status, prompt tokens, cached tokens) for every request, until ``stop``."""
+    out: list[tuple[float, float, int, int, int]] = []
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def client(c: int) -> None:
+            i = c
+            while not stop.is_set():
+                body = {"model": MODEL, "prompt": prompts[i % len(prompts)], "max_tokens": 2}
+                t0 = time.monotonic()
+                status, prompt, cached = 0, 0, 0
+                try:
+                    async with session.post(url + "/v1/completions", json=body) as r:
+                        status = r.status
+                        doc = await r.json(content_type=None) if status == 200 else {}
+                        usage = doc.get("usage") or {}
+                        prompt = int(usage.get("prompt_tokens") or 0)
+                        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                except (aiohttp.ClientError, TimeoutError, ValueError):
+                    status = -1
+                out.append((t0, time.monotonic(), status, prompt, cached))
+                i += clients
+
+        await asyncio.gather(*(client(c) for c in range(clients)))
+    return out
+
+
+def failover_case(procs: Procs, fleet: Fleet, repeat: int, a: argparse.Namespace) -> Failover:
+    w = shared_prefix(a.groups, a.per_group, a.prefix_tokens, a.question_tokens, 2, seed=repeat)
+    prompts = [r.prompt for r in w.requests]
+    with pickers_running(procs, 3, fleet, f"kill-{repeat}") as pk:
+        fleet.reset()
+        time.sleep(1.0)
+
+        async def scenario() -> tuple[list[tuple[float, float, int, int, int]], float]:
+            stop = asyncio.Event()
+            task = asyncio.create_task(_closed_loop(pk.url, prompts, a.clients, stop))
+            await asyncio.sleep(a.kill_after)
+            os.kill(pk.pids[1], signal.SIGKILL)
+            killed = time.monotonic()
+            await asyncio.sleep(a.run_after)
+            stop.set()
+            return await task, killed
+
+        rows, kill = asyncio.run(scenario())
+    before = [r for r in rows if r[1] < kill]
+    flight = [r for r in rows if r[0] <= kill <= r[1]]
+    after = [r for r in rows if r[0] > kill]
+
+    def hit(rs: list[tuple[float, float, int, int, int]]) -> float:
+        ok = [r for r in rs if r[2] == 200]
+        return sum(r[4] for r in ok) / max(1, sum(r[3] for r in ok))
+
+    f = Failover(
+        repeat, len(before), sum(r[2] != 200 for r in before), len(flight), sum(r[2] != 200 for r in flight),
+        len(after), sum(r[2] != 200 for r in after), hit([r for r in after if r[0] <= kill + 1.0]),
+        hit([r for r in after if r[0] > kill + 1.0]),
+    )  # fmt: skip
+    print(json.dumps(asdict(f)), flush=True)
+    return f
+
+
+def _med(xs: list[float], fmt: str) -> str:
+    return f"{format(statistics.median(xs), fmt)} [{format(min(xs), fmt)}-{format(max(xs), fmt)}]"
+
+
+def scaling_table(cases: list[Case], ns: list[int]) -> str:
+    lines = [
+        "| pickers | picker CPU ms/request | net of idle | net vs 1 picker | idle CPU ms/s | hit rate | "
+        "TTFT p50 s | TTFT p90 s | req/s | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = statistics.median(c.net_cpu_ms_per_request for c in cases if c.pickers == ns[0])
+    for n in ns:
+        cs = [c for c in cases if c.pickers == n]
+        net = [c.net_cpu_ms_per_request for c in cs]
+        lines.append(
+            f"| {n} | {_med([c.cpu_ms_per_request for c in cs], '.3f')} | {_med(net, '.3f')} | "
+            f"{statistics.median(net) / base:.2f}x | {_med([c.idle_cpu_ms_per_s for c in cs], '.1f')} | "
+            f"{_med([c.hit_rate for c in cs], '.3f')} | {_med([c.ttft_p50 for c in cs], '.3f')} | "
+            f"{_med([c.ttft_p90 for c in cs], '.3f')} | {_med([c.throughput_rps for c in cs], '.1f')} | "
+            f"{sum(c.errors for c in cs)} |"
+        )
+    return "\n".join(lines)
+
+
+def failover_table(rows: list[Failover]) -> str:
+    lines = [
+        "| repeat | done before the kill (failed) | in flight at the kill (failed) | sent after (failed) | "
+        "hit rate, 1st s after / later |",
+        "|---|---|---|---|---|",
+    ]
+    for f in rows:
+        lines.append(
+            f"| {f.repeat} | {f.before} ({f.before_failed}) | {f.in_flight} ({f.in_flight_failed}) | "
+            f"{f.after} ({f.after_failed}) | {f.hit_first_second:.3f} / {f.hit_rest:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pickers", default="1,2,3", help="picker counts to compare")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per replica (0: the profile's)")
+    p.add_argument("--rate", type=float, default=30.0, help="requests per second (scaling)")
+    p.add_argument("--idle-s", type=float, default=3.0, help="seconds of idle CPU measured before each case")
+    p.add_argument("--groups", type=int, default=16)
+    p.add_argument("--per-group", type=int, default=16)
+    p.add_argument("--prefix-tokens", type=int, default=1024)
+    p.add_argument("--question-tokens", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--failover", action="store_true", help="measure SIGKILL of 1 of 3 pickers instead")
+    p.add_argument("--clients", type=int, default=6)
+    p.add_argument("--kill-after", type=float, default=2.0)
+    p.add_argument("--run-after", type=float, default=3.0)
+    p.add_argument(
+        "-o", "--output", default="", help="results file stem (default bench/results/pickers[-failover])"
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    stem = pathlib.Path(a.output) if a.output else RESULTS / ("pickers-failover" if a.failover else "pickers")
+    with tempfile.TemporaryDirectory(prefix="kvpick-pickers-") as tmp:
+        procs = Procs(pathlib.Path(tmp))
+        try:
+            fleet = start_fleet(procs, a.replicas, a.kv_blocks)
+            if a.failover:
+                fo = [failover_case(procs, fleet, r, a) for r in range(a.repeats)]
+                text, data = failover_table(fo), [asdict(f) for f in fo]
+            else:
+                ns = [int(x) for x in a.pickers.split(",")]
+                cases = [scaling_case(procs, fleet, n, r, a) for r in range(a.repeats) for n in ns]
+                text, data = scaling_table(cases, ns), [asdict(c) for c in cases]
+        finally:
+            procs.stop()
+    print(text)
+    stem.with_suffix(".json").write_text(json.dumps({"args": vars(a), "rows": data}, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
