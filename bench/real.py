@@ -7,7 +7,8 @@ Two ``vllm.entrypoints.openai.api_server`` processes serve ``replica.tinymodel``
 nothing downloaded) with prefix caching and ``VLLM_SERVER_DEV_MODE=1``. Each router is started in
 front of them (kvpick behind a real Envoy; the peers as their own HTTP proxies) and serves every
 workload; before each workload both replicas' prefix caches are reset (``POST
-/reset_prefix_cache``), and the same arrival times are used for every router. Hit rates are the
+/reset_prefix_cache``), and the same arrival times are used for every router. Before the first router, every workload
+is sent once straight to the replicas (a warm-up, not measured). Hit rates are the
 replicas' own ``vllm:prefix_cache_hits_total / queries_total`` deltas; the replica split is their
 ``vllm:request_success_total`` deltas. Each repeat runs every router once (side by side), with a
 new arrival seed; the table gives medians over repeats with [min–max].
@@ -116,10 +117,21 @@ def measure(
     )
 
 
+def warm_up(fleet: Fleet, rate: float) -> None:
+    """Every workload once, straight to the replicas in turn, then caches reset: a fresh
+    vLLM-CPU replica's first long prompts can stall it for about 10 s (seen twice here, on the
+    first workload after start), and that would land on whichever router goes first."""
+    for w in workloads(seed=1000):
+        cfg = loadgen.LoadConfig(mode="poisson", rate=rate, model=MODEL, seed=1000, progress=False)
+        asyncio.run(loadgen.run(fleet.urls, w, dataclasses.replace(cfg, label=f"warm-up/{w.name}")))
+    fleet.reset()
+
+
 def run_all(
     fleet: Fleet, routers: Sequence[str], repeats: int, rate: float, run_dir: pathlib.Path
 ) -> list[Run]:
     runs: list[Run] = []
+    warm_up(fleet, rate)
     for rep in range(repeats):
         ws = workloads(seed=0)
         for name in routers:

@@ -20,7 +20,10 @@ request's prefill is released by whichever comes first:
   ``uncached / rate``;
 - the scraped queue (:meth:`reconcile`): vLLM admits in arrival order (FCFS), so once a scrape
   shows ``W`` requests waiting, at most ``W + 1`` of those we sent before it (the ``+ 1``: one
-  being prefilled in the current step) can still be pending; the older ones are released;
+  being prefilled in the current step) can still be pending; the older ones are released.
+  Requests of ours that the engine counts neither running nor waiting have not reached it (an
+  API server starved of CPU held 30 for 10 s on the shared machine while its engine sat idle):
+  they are counted as ``Load.unseen_requests``, queued work the gauges do not show;
 - a first response byte, when Envoy sends response bodies;
 - the end of the request.
 
@@ -31,7 +34,7 @@ pending requests) at the endpoint's uncached tokens per request.
 Writers, one per field:
 
 - ``Load.in_flight_requests``, ``in_flight_tokens``, ``pending_prefill_tokens``,
-  ``pending_requests``, ``prefill_busy_until``, ``prefill_due``: charged by :meth:`Accounting.start`
+  ``pending_requests``, ``prefill_busy_until``, ``prefill_due``, ``unseen_requests``: charged by :meth:`Accounting.start`
   (and :meth:`move`), pending prefill released by :meth:`expire`, :meth:`reconcile` and
   :meth:`first_token`, everything by :meth:`finish`; nothing else writes them.
 - ``Load.first_byte_rate``, ``first_byte_samples`` and :attr:`Accounting.first_byte_rate`: the
@@ -185,10 +188,15 @@ class Accounting:
 
     def reconcile(self, state: EndpointState) -> None:
         """After a scrape: of the requests sent at least :data:`RECONCILE_GRACE_S` before it, at
-        most ``waiting + 1`` can still be in prefill (FCFS admission); release the older ones."""
-        due, m = state.load.prefill_due, state.metrics
+        most ``waiting + 1`` can still be in prefill (FCFS admission); release the older ones.
+        Those the engine counts neither running nor waiting are ``Load.unseen_requests``."""
+        load, m = state.load, state.metrics
+        due = load.prefill_due
         cutoff = m.updated_at - RECONCILE_GRACE_S
-        before = [t for t in due if t.pending and t.state is state and t.started <= cutoff]
+        live = [t for t in due if not t.done and t.state is state]
+        recent = sum(1 for t in live if t.started > cutoff)
+        load.unseen_requests = max(0, load.in_flight_requests - recent - int(m.running + m.waiting))
+        before = [t for t in live if t.pending and t.started <= cutoff]
         for ticket in before[: max(0, len(before) - int(m.waiting) - 1)]:
             self._release(ticket)
         while due and not (due[0].pending and due[0].state is state):

@@ -32,7 +32,8 @@ the batch sizes it saw), shrunk toward 1 in log space::
 
     f_used = f ** (n / (n + prior_scrapes))
 
-where ``n`` is the number of the endpoint's scrape deltas with that kind of work in them. With
+where ``n`` is the number of the endpoint's scrape deltas with that kind of work in them
+(faded while the endpoint sits idle, so that one measured slow is tried again: ``idle_fade``). With
 ``n`` well below ``prior_scrapes`` (32 by default) an endpoint is "too few": its deltas cover a
 few requests each, and a request's prefill time depends on what happened to be batched with it
 (a decode-heavy batch, another prefill's chunk, a cached context to attend to), so one delta is
@@ -85,11 +86,36 @@ class CalibrationConfig:
     fastest (all cold prompts onto one replica's cache) instead of breaking the tie at random."""
     max_factor: float = 20.0
     """Clamp on an endpoint's speed factor against the pool (and its inverse)."""
+    max_step: float = 4.0
+    """One delta may say the endpoint is at most this many times slower than its current model
+    (prefill seconds per uncached token, step time at its batch size): a stalled engine's one
+    delta (10 s of prefill for a few hundred tokens, seen on vLLM-CPU) would otherwise drag the
+    pooled rate down 5×, and every other endpoint's factor up against it. A real slowdown
+    still shows, over a few deltas: the model moves up to this factor per delta."""
+    idle_fade: float = 16.0
+    """Once an endpoint has sat idle (no work of its own in a delta, nothing running or waiting,
+    nothing of ours in flight) for ``idle_fade`` scrapes in a row, the count of its own deltas
+    is multiplied by ``1 - 1/idle_fade`` per further idle scrape: it halves in about 11 (2 s at
+    200 ms). Short idle gaps between requests do not fade it. Without this a replica
+    measured slow once (a burst of contention, a stall) gets no traffic, so no new evidence,
+    and keeps its factor for ever: on two real vLLM-CPU replicas, after one stalled for 10 s,
+    every later cold request went to the other (64 / 0 on the no-sharing control). As the
+    count fades its factor shrinks back to 1, and it is tried again."""
 
     def __post_init__(self) -> None:
-        if min(self.default_prefill_rate, self.prior_scrapes, self.window - 1, self.max_factor - 1) <= 0:
+        if (
+            min(
+                self.default_prefill_rate,
+                self.prior_scrapes,
+                self.window - 1,
+                self.max_factor - 1,
+                self.idle_fade - 1,
+                self.max_step - 1,
+            )
+            <= 0
+        ):
             raise ValueError(
-                f"calibration: rates, prior_scrapes must be > 0, window and max_factor > 1: {self}"
+                f"calibration: rates, prior_scrapes must be > 0, window, max_factor, idle_fade and max_step > 1: {self}"
             )
         if self.default_step_base_s < 0 or self.default_step_per_seq_s < 0:
             raise ValueError(f"calibration: step times must be >= 0: {self}")
@@ -112,14 +138,15 @@ class Sums:
     pf_tokens: float = 0.0
     """Uncached prompt tokens."""
     pf_requests: float = 0.0
-    pf_n: int = 0
-    """Deltas with prefill work in them (not decayed: a count, for the shrinkage)."""
+    pf_n: float = 0.0
+    """Deltas with prefill work in them (for the shrinkage): a count, faded only while the
+    endpoint is idle (``CalibrationConfig.idle_fade``)."""
     d_w: float = 0.0
     d_wb: float = 0.0
     d_wbb: float = 0.0
     d_wy: float = 0.0
     d_wby: float = 0.0
-    d_n: int = 0
+    d_n: float = 0.0
 
     def decay(self, keep: float) -> None:
         self.pf_seconds *= keep
@@ -140,8 +167,8 @@ class Sums:
         self.d_wbb += sign * other.d_wbb
         self.d_wy += sign * other.d_wy
         self.d_wby += sign * other.d_wby
-        self.pf_n += int(sign) * other.pf_n
-        self.d_n += int(sign) * other.d_n
+        self.pf_n += sign * other.pf_n
+        self.d_n += sign * other.d_n
 
     def copy(self) -> Sums:
         s = Sums()
@@ -174,6 +201,13 @@ def delta(prev: EndpointMetrics, cur: EndpointMetrics) -> Delta | None:
     return Delta(d_uncached, d_pf, d_pfn, d_itl, d_itln, (prev.running + cur.running) / 2)
 
 
+def _idle(state: EndpointState, d: Delta) -> bool:
+    """No work of the endpoint's own in the delta, and none in sight."""
+    m = state.metrics
+    busy = d.prefill_requests > 0 or d.itl_tokens > 0 or m.running + m.waiting > 0
+    return not busy and state.load.in_flight_requests == 0
+
+
 @dataclass
 class Calibrator:
     """Turns successive scrapes into each endpoint's :class:`EndpointModel` (module docstring)."""
@@ -183,6 +217,8 @@ class Calibrator:
     """The sum of every endpoint's sums; maintained incrementally."""
     _own: dict[str, Sums] = field(default_factory=dict)
     _last: dict[str, EndpointMetrics] = field(default_factory=dict)
+    _idle_run: dict[str, int] = field(default_factory=dict)
+    """Consecutive idle deltas per endpoint."""
 
     def observe(self, state: EndpointState) -> None:
         """Fold ``state.metrics`` (just scraped) into the sums and refresh ``state.model``."""
@@ -199,6 +235,10 @@ class Calibrator:
         self.pool.add(own, -1.0)
         own.decay(1.0 - 1.0 / self.cfg.window)
         self._fold(own, d, state.model)
+        run = self._idle_run[state.key] = self._idle_run.get(state.key, 0) + 1 if _idle(state, d) else 0
+        if run > self.cfg.idle_fade:
+            own.pf_n *= 1.0 - 1.0 / self.cfg.idle_fade
+            own.d_n *= 1.0 - 1.0 / self.cfg.idle_fade
         self.pool.add(own, 1.0)
         state.model = self.model_for(own)
 
@@ -206,6 +246,7 @@ class Calibrator:
         """The endpoint left the pool: its data leaves the pooled sums."""
         own = self._own.pop(state.key, None)
         self._last.pop(state.key, None)
+        self._idle_run.pop(state.key, None)
         if own is not None:
             self.pool.add(own, -1.0)
 
@@ -216,6 +257,7 @@ class Calibrator:
             shared = d.mean_running * d.uncached_tokens / model.prefill_rate
             itl = max(d.itl_seconds - shared, 0.25 * d.itl_seconds)
             w, b, y = d.itl_tokens, d.mean_running, itl / d.itl_tokens
+            y = min(y, self.cfg.max_step * model.step_s(b))
             s.d_w += w
             s.d_wb += w * b
             s.d_wbb += w * b * b
@@ -224,7 +266,8 @@ class Calibrator:
             s.d_n += 1
         if d.prefill_requests > 0 and d.uncached_tokens >= self.cfg.min_prefill_tokens:
             fixed = d.prefill_requests * model.step_s(d.mean_running)
-            s.pf_seconds += max(d.prefill_seconds - fixed, 0.1 * d.prefill_seconds)
+            seconds = max(d.prefill_seconds - fixed, 0.1 * d.prefill_seconds)
+            s.pf_seconds += min(seconds, self.cfg.max_step * d.uncached_tokens / model.prefill_rate)
             s.pf_tokens += d.uncached_tokens
             s.pf_requests += d.prefill_requests
             s.pf_n += 1
@@ -250,7 +293,7 @@ class Calibrator:
         level = (s.d_wy + r * s.d_wby) / den if den > 0 else 0.0
         return level, level * r
 
-    def _shrunk(self, raw: float, n: int) -> float:
+    def _shrunk(self, raw: float, n: float) -> float:
         cap = self.cfg.max_factor
         raw = min(max(raw, 1.0 / cap), cap)
         log_f = math.log(raw) * n / (n + self.cfg.prior_scrapes)
@@ -260,10 +303,10 @@ class Calibrator:
     def _dead_band(self) -> float:
         return math.log1p(self.cfg.factor_dead_band)
 
-    def _source(self, n: int) -> str:
+    def _source(self, n: float) -> str:
         if n < self.cfg.prior_scrapes:
-            return f"pooled across endpoints ({n} own scrapes)"
-        return f"calibrated from {n} scrapes"
+            return f"pooled across endpoints ({n:.0f} own scrapes)"
+        return f"calibrated from {n:.0f} scrapes"
 
     def model_for(self, own: Sums) -> EndpointModel:
         cfg, pool = self.cfg, self.pool

@@ -145,3 +145,55 @@ def test_leaving_the_pool_takes_the_endpoints_data_out_of_the_pooled_sums() -> N
 
 def test_the_model_is_what_the_cost_scorer_reads() -> None:
     assert EndpointModel().step_s(10) == pytest.approx(0.005 + 10 * 0.0005)
+
+
+def test_an_idle_endpoint_measured_slow_fades_back_to_the_pool_and_is_tried_again() -> None:
+    """A replica measured 3× slower than its peer (a stall, a burst of contention) gets no
+    traffic, so no new evidence: while it sits idle its own count fades (``idle_fade``), and
+    its rate returns to the pool's within 64 idle scrapes (13 s at 200 ms)."""
+    cal = Calibrator()
+    fast, slow = EndpointState(Endpoint("10.0.0.1", 1)), EndpointState(Endpoint("10.0.0.1", 2))
+
+    def feed(state: EndpointState, k: int, rate: float, work: bool) -> None:
+        n = min(k, 60)  # work in the first 60 deltas only, unless ``work``
+        if work:
+            n = k
+        secs = n * (1000 / rate + 2 * cal.cfg.default_model().step_s(2))
+        state.metrics = scrape(float(k), 1000.0 * n, secs, 2.0 * n, 0.01 * 10 * n, 10.0 * n, running=0.0)
+        cal.observe(state)
+
+    for k in range(61):
+        feed(fast, k, 3000.0, True)
+        feed(slow, k, 1000.0, True)
+    assert slow.model.prefill_rate < 0.6 * fast.model.prefill_rate, "measured slow"
+    for k in range(61, 61 + 64):
+        feed(fast, k, 3000.0, True)
+        feed(slow, k, 1000.0, False)  # idle: nothing sent, nothing running
+    assert slow.model.prefill_source.startswith("pooled across endpoints"), slow.model.prefill_source
+    assert slow.model.prefill_rate == pytest.approx(cal.pool.pf_tokens / cal.pool.pf_seconds), (
+        "factor back to 1"
+    )
+
+
+def test_one_stalled_delta_does_not_poison_the_pool() -> None:
+    """Two replicas at 5,000 tokens/s; one delta of the first says 300 tokens took 10 s of
+    prefill (its engine stalled). The pooled rate moves by at most ``max_step`` on that delta's
+    share, so the second replica's factor stays 1 and both keep close estimates."""
+    cal = Calibrator()
+    a, b = EndpointState(Endpoint("10.0.0.1", 1)), EndpointState(Endpoint("10.0.0.1", 2))
+    step = cal.cfg.default_model().step_s(2)
+    totals = {a.key: [0.0, 0.0, 0.0], b.key: [0.0, 0.0, 0.0]}
+
+    def feed(state: EndpointState, k: int, tokens: float, seconds: float) -> None:
+        t = totals[state.key]
+        t[0], t[1], t[2] = t[0] + tokens, t[1] + seconds + 2 * step, t[2] + 2
+        state.metrics = scrape(float(k), t[0], t[1], t[2], 0.01 * 10 * k, 10.0 * k)
+        cal.observe(state)
+
+    for k in range(40):
+        for s in (a, b):
+            feed(s, k, 1000.0, 1000.0 / 5000.0)
+    feed(a, 40, 300.0, 10.0)
+    feed(b, 40, 1000.0, 0.2)
+    assert b.model.prefill_rate == pytest.approx(5000.0, rel=0.2), b.model
+    assert a.model.prefill_rate > 0.7 * b.model.prefill_rate, (a.model, b.model)

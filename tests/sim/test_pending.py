@@ -128,3 +128,29 @@ def test_the_scraped_queue_releases_what_the_prediction_holds_too_long() -> None
     acc.reconcile(s)
     assert [t.pending for t in tickets] == [False, False, False, True, True]
     assert late.pending and s.load.pending_requests == 3
+
+
+def test_requests_the_engine_does_not_see_count_as_queued_work() -> None:
+    """An API server starved of CPU holds our requests in front of an idle engine: the gauges
+    show nothing running or waiting while 10 of ours are in flight. They are queued work."""
+    from picker.core.request import InferenceRequest
+    from picker.core.scheduling.cost import CostScorer
+    from picker.core.scheduling.types import Cycle
+
+    now = [0.0]
+    acc = Accounting(clock=lambda: now[0])
+    stuck, idle = state_at(0.0, 0), EndpointState(Endpoint("10.0.0.1", 2))
+    for s in (stuck, idle):
+        s.model.prefill_rate, s.model.uncached_per_request = 10_000.0, 500.0
+    tickets = [acc.start(stuck, 600, 50) for _ in range(10)]  # cheap cache hits
+    now[0] = 1.0
+    stuck.metrics = EndpointMetrics(waiting=0, running=0, updated_at=1.0)
+    acc.reconcile(stuck)
+    assert stuck.load.unseen_requests == 10 and not any(t.pending for t in tickets[:8])
+    cyc = Cycle(InferenceRequest(model="m", routing_text="x"), 1000, 16.0, 1, {stuck.key: 60}, now[0], 0)
+    est = CostScorer().estimates(cyc, [stuck, idle])
+    assert est[stuck.key] > est[idle.key], est
+    for t in tickets:
+        acc.finish(t)
+    acc.reconcile(stuck)
+    assert stuck.load.unseen_requests == 0

@@ -124,6 +124,10 @@ class Load:
     pending_requests: int = 0
     """Requests sent here whose prefill is still pending (those ``pending_prefill_tokens``
     counts): the part of the scraped waiting queue whose work the picker knows exactly."""
+    unseen_requests: int = 0
+    """At the last scrape: requests sent here (before it, by a margin) that the engine counted
+    neither running nor waiting: stuck in front of the engine (its API server), so work ahead
+    of any new request that the queue gauges do not show. Written by ``Accounting.reconcile``."""
     prefill_busy_until: float = 0.0
     """When the prefills sent here are predicted to be done (accounting's clock): each request
     sent adds its uncached tokens / the calibrated prefill rate after the later of now and this."""

@@ -3,6 +3,7 @@ endpoint's calibrated load model (:mod:`picker.core.calibration`, ``EndpointStat
 
     ttft(e) = (queued(e) + uncached(e)) / rate(e) + step(e, running(e))
     queued(e) = pending(e) + max(peer_pending(e), (waiting(e) - pending_requests(e)) * u(e))
+                + unseen(e) * u(e)
     step(e, b) = step_base(e) + step_per_seq(e) * b
 
 - ``uncached(e)``: the request's prompt tokens minus those the prefix index says ``e`` holds.
@@ -12,7 +13,9 @@ endpoint's calibrated load model (:mod:`picker.core.calibration`, ``EndpointStat
   (the scraped queue minus our requests still pending): the other picker replicas' reported
   pending prefill (``picker.core.peers``), or the endpoint's measured uncached tokens per request
   each, whichever is larger. A request released too early by the prediction is still in the
-  scraped queue, so it is counted there. Charging every waiting request the average instead
+  scraped queue, so it is counted there. ``unseen(e)``: our requests, sent before the last
+  scrape, that the engine counted neither running nor waiting (stuck in front of it), each at
+  ``u(e)`` too. Charging every waiting request the average instead
   double-counts our own cheap cache hits queued on a prefix's holder and spills hot prefixes
   needlessly.
 - ``rate(e)``: the endpoint's prefill rate in uncached tokens/s, measured from its own
@@ -74,9 +77,11 @@ class CostScorer:
             peer = e.peer_load  # the other picker replicas' work here (picker.core.peers)
             # Waiting requests we did not send (another picker's, another router's): the peers'
             # reported prefill, or the measured uncached tokens per request each if larger.
-            foreign = (m.waiting - load.pending_requests) * model.uncached_per_request
+            u = model.uncached_per_request
+            foreign = (m.waiting - load.pending_requests) * u
             peer_pending = peer.pending_prefill_tokens
             queued = load.pending_prefill_tokens + (foreign if foreign > peer_pending else peer_pending)
+            queued += load.unseen_requests * u
             sent = load.in_flight_requests + peer.in_flight_requests
             running = m.running if m.running > sent else sent
             step = model.step_base_s + model.step_per_seq_s * running
