@@ -21,9 +21,12 @@ request's prefill is released by whichever comes first:
 - the scraped queue (:meth:`reconcile`): vLLM admits in arrival order (FCFS), so once a scrape
   shows ``W`` requests waiting, at most ``W + 1`` of those we sent before it (the ``+ 1``: one
   being prefilled in the current step) can still be pending; the older ones are released.
-  Requests of ours that the engine counts neither running nor waiting have not reached it (an
-  API server starved of CPU held 30 for 10 s on the shared machine while its engine sat idle):
-  they are counted as ``Load.unseen_requests``, queued work the gauges do not show;
+  Requests of ours that the engine counts neither running nor waiting, and has not counted as
+  finished either (``vllm:request_success_total``), have not reached it (an API server starved
+  of CPU held 30 for 10 s on the shared machine while its engine sat idle): they are counted as
+  ``Load.unseen_requests``, queued work the gauges do not show. (Without response bodies a
+  finished request's stream can also stay open at Envoy for seconds; the engine's finished
+  count tells the two apart.);
 - a first response byte, when Envoy sends response bodies;
 - the end of the request.
 
@@ -34,7 +37,7 @@ pending requests) at the endpoint's uncached tokens per request.
 Writers, one per field:
 
 - ``Load.in_flight_requests``, ``in_flight_tokens``, ``pending_prefill_tokens``,
-  ``pending_requests``, ``prefill_busy_until``, ``prefill_due``, ``unseen_requests``: charged by :meth:`Accounting.start`
+  ``pending_requests``, ``prefill_busy_until``, ``prefill_due``, ``unseen_requests``, ``sent_total``, ``seen_baseline``: charged by :meth:`Accounting.start`
   (and :meth:`move`), pending prefill released by :meth:`expire`, :meth:`reconcile` and
   :meth:`first_token`, everything by :meth:`finish`; nothing else writes them.
 - ``Load.first_byte_rate``, ``first_byte_samples`` and :attr:`Accounting.first_byte_rate`: the
@@ -142,6 +145,7 @@ class Accounting:
             load.pending_requests += 1
         load.in_flight_requests += 1
         load.in_flight_tokens += ticket.prompt_tokens
+        load.sent_total += 1
 
     @staticmethod
     def _release(ticket: Ticket) -> None:
@@ -168,6 +172,7 @@ class Accounting:
         assert not ticket.done, "a finished ticket cannot move"
         pending = ticket.pending
         self._discharge(ticket)
+        ticket.state.load.sent_total -= 1  # it never reached the primary
         ticket.state = new
         ticket.matched_blocks = matched_blocks
         ticket.uncached_tokens = uncached_tokens
@@ -195,7 +200,14 @@ class Accounting:
         cutoff = m.updated_at - RECONCILE_GRACE_S
         live = [t for t in due if not t.done and t.state is state]
         recent = sum(1 for t in live if t.started > cutoff)
-        load.unseen_requests = max(0, load.in_flight_requests - recent - int(m.running + m.waiting))
+        seen = m.request_success_total + m.running + m.waiting
+        if load.in_flight_requests == 0:
+            load.seen_baseline = load.sent_total - seen
+        # Ours in flight that the engine shows neither running nor waiting, but only as many as
+        # it has not seen at all: the rest have finished there, their streams not yet closed.
+        not_in_engine = load.in_flight_requests - recent - int(m.running + m.waiting)
+        never_seen = load.sent_total - recent - seen - load.seen_baseline
+        load.unseen_requests = max(0, min(not_in_engine, int(never_seen)))
         before = [t for t in live if t.pending and t.started <= cutoff]
         for ticket in before[: max(0, len(before) - int(m.waiting) - 1)]:
             self._release(ticket)

@@ -132,7 +132,8 @@ def test_the_scraped_queue_releases_what_the_prediction_holds_too_long() -> None
 
 def test_requests_the_engine_does_not_see_count_as_queued_work() -> None:
     """An API server starved of CPU holds our requests in front of an idle engine: the gauges
-    show nothing running or waiting while 10 of ours are in flight. They are queued work."""
+    show nothing running or waiting, nor any finished, while 10 of ours are in flight. They are
+    queued work; once the engine has counted them finished, they are not."""
     from picker.core.request import InferenceRequest
     from picker.core.scheduling.cost import CostScorer
     from picker.core.scheduling.types import Cycle
@@ -150,6 +151,11 @@ def test_requests_the_engine_does_not_see_count_as_queued_work() -> None:
     cyc = Cycle(InferenceRequest(model="m", routing_text="x"), 1000, 16.0, 1, {stuck.key: 60}, now[0], 0)
     est = CostScorer().estimates(cyc, [stuck, idle])
     assert est[stuck.key] > est[idle.key], est
+    # The engine served them, but their streams stay open at Envoy (no response bodies): its
+    # finished count says so, and they are not queued work.
+    stuck.metrics = EndpointMetrics(request_success_total=10, updated_at=2.0)
+    acc.reconcile(stuck)
+    assert stuck.load.unseen_requests == 0 and stuck.load.in_flight_requests == 10
     for t in tickets:
         acc.finish(t)
     acc.reconcile(stuck)

@@ -128,6 +128,14 @@ class Load:
     """At the last scrape: requests sent here (before it, by a margin) that the engine counted
     neither running nor waiting: stuck in front of the engine (its API server), so work ahead
     of any new request that the queue gauges do not show. Written by ``Accounting.reconcile``."""
+    sent_total: int = 0
+    """Requests ever charged here (a move takes one back): against the engine's own count of
+    requests it has seen, it tells requests held in front of the engine from streams that
+    simply have not closed yet."""
+    seen_baseline: float = 0.0
+    """``sent_total`` minus the engine's seen requests (finished + running + waiting) at the last
+    scrape with nothing of ours in flight: other routers' requests and requests the API server
+    rejected before the engine move it. Written by ``Accounting.reconcile``."""
     prefill_busy_until: float = 0.0
     """When the prefills sent here are predicted to be done (accounting's clock): each request
     sent adds its uncached tokens / the calibrated prefill rate after the later of now and this."""
