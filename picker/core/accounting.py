@@ -20,13 +20,14 @@ request's prefill is released by whichever comes first:
   ``uncached / rate``;
 - the scraped queue (:meth:`reconcile`): vLLM admits in arrival order (FCFS), so once a scrape
   shows ``W`` requests waiting, at most ``W + 1`` of those we sent before it (the ``+ 1``: one
-  being prefilled in the current step) can still be pending; the older ones are released.
+  being prefilled in the current step, if any runs) can still be pending; the older ones are
+  released.
   Requests of ours that the engine counts neither running nor waiting, and has not counted as
   finished either (``vllm:request_success_total``), have not reached it (an API server starved
   of CPU held 30 for 10 s on the shared machine while its engine sat idle): they are counted as
   ``Load.unseen_requests``, queued work the gauges do not show. (Without response bodies a
   finished request's stream can also stay open at Envoy for seconds; the engine's finished
-  count tells the two apart.);
+  count tells the two apart: those are ``Load.finished_streams``, not load.);
 - a first response byte, when Envoy sends response bodies;
 - the end of the request.
 
@@ -37,7 +38,7 @@ pending requests) at the endpoint's uncached tokens per request.
 Writers, one per field:
 
 - ``Load.in_flight_requests``, ``in_flight_tokens``, ``pending_prefill_tokens``,
-  ``pending_requests``, ``prefill_busy_until``, ``prefill_due``, ``unseen_requests``, ``sent_total``, ``seen_baseline``: charged by :meth:`Accounting.start`
+  ``pending_requests``, ``prefill_busy_until``, ``prefill_due``, ``unseen_requests``, ``finished_streams``, ``sent_total``, ``seen_baseline``: charged by :meth:`Accounting.start`
   (and :meth:`move`), pending prefill released by :meth:`expire`, :meth:`reconcile` and
   :meth:`first_token`, everything by :meth:`finish`; nothing else writes them.
 - ``Load.first_byte_rate``, ``first_byte_samples`` and :attr:`Accounting.first_byte_rate`: the
@@ -193,7 +194,8 @@ class Accounting:
 
     def reconcile(self, state: EndpointState) -> None:
         """After a scrape: of the requests sent at least :data:`RECONCILE_GRACE_S` before it, at
-        most ``waiting + 1`` can still be in prefill (FCFS admission); release the older ones.
+        most ``waiting + 1`` (+ 0 with nothing running) can still be in prefill (FCFS
+        admission), with those the engine has not seen at all; release the older ones.
         Those the engine counts neither running nor waiting are ``Load.unseen_requests``."""
         load, m = state.load, state.metrics
         due = load.prefill_due
@@ -208,8 +210,10 @@ class Accounting:
         not_in_engine = load.in_flight_requests - recent - int(m.running + m.waiting)
         never_seen = load.sent_total - recent - seen - load.seen_baseline
         load.unseen_requests = max(0, min(not_in_engine, int(never_seen)))
+        load.finished_streams = max(0, not_in_engine - load.unseen_requests)
         before = [t for t in live if t.pending and t.started <= cutoff]
-        for ticket in before[: max(0, len(before) - int(m.waiting) - 1)]:
+        keep = int(m.waiting) + min(1, int(m.running)) + load.unseen_requests
+        for ticket in before[: max(0, len(before) - keep)]:
             self._release(ticket)
         while due and not (due[0].pending and due[0].state is state):
             due.popleft()

@@ -143,7 +143,10 @@ class Progress:
 
     def stalled(self, state: EndpointState, now: float) -> bool:
         m = state.metrics
-        busy = state.load.in_flight_requests > 0 or m.running + m.waiting > 0
+        # in flight, less the streams whose work the engine has finished (Envoy holds some open
+        # for seconds without response bodies: an idle engine with one was judged stalled)
+        ours = state.load.in_flight_requests - state.load.finished_streams
+        busy = ours > 0 or m.running + m.waiting > 0
         if self.after_s <= 0 or m.progress_total < 0 or not busy or m.progress_total != self.value:
             self.value, self.since = m.progress_total, now
             return False

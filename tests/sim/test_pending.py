@@ -114,8 +114,9 @@ def test_a_prediction_releases_the_prefill_and_a_first_byte_after_it_still_measu
 
 
 def test_the_scraped_queue_releases_what_the_prediction_holds_too_long() -> None:
-    """The replica is faster than the model says: a scrape showing 1 waiting request leaves at
-    most 2 of the 5 requests sent before it pending (FCFS: the newest), not 5."""
+    """The replica is faster than the model says: a scrape showing 1 waiting request and 1
+    running (3 finished) leaves at most 2 of the 5 requests sent before it pending (FCFS: the
+    newest), not 5."""
     now = [0.0]
     acc = Accounting(clock=lambda: now[0])
     s = state_at(0.0, 0)
@@ -124,7 +125,7 @@ def test_the_scraped_queue_releases_what_the_prediction_holds_too_long() -> None
     now[0] = 0.01
     late = acc.start(s, 600, 500)  # sent just before the scrape: may not be in its gauge yet
     now[0] = 0.05
-    s.metrics = EndpointMetrics(waiting=1, updated_at=0.05)
+    s.metrics = EndpointMetrics(waiting=1, running=1, request_success_total=3, updated_at=0.05)
     acc.reconcile(s)
     assert [t.pending for t in tickets] == [False, False, False, True, True]
     assert late.pending and s.load.pending_requests == 3
@@ -147,7 +148,7 @@ def test_requests_the_engine_does_not_see_count_as_queued_work() -> None:
     now[0] = 1.0
     stuck.metrics = EndpointMetrics(waiting=0, running=0, updated_at=1.0)
     acc.reconcile(stuck)
-    assert stuck.load.unseen_requests == 10 and not any(t.pending for t in tickets[:8])
+    assert stuck.load.unseen_requests == 10 and all(t.pending for t in tickets), "not admitted yet"
     cyc = Cycle(InferenceRequest(model="m", routing_text="x"), 1000, 16.0, 1, {stuck.key: 60}, now[0], 0)
     est = CostScorer().estimates(cyc, [stuck, idle])
     assert est[stuck.key] > est[idle.key], est
@@ -156,6 +157,13 @@ def test_requests_the_engine_does_not_see_count_as_queued_work() -> None:
     stuck.metrics = EndpointMetrics(request_success_total=10, updated_at=2.0)
     acc.reconcile(stuck)
     assert stuck.load.unseen_requests == 0 and stuck.load.in_flight_requests == 10
+    assert stuck.load.finished_streams == 10, "open streams of finished requests"
+    est = CostScorer().estimates(cyc, [stuck, idle])
+    cold = dict(cyc.matches)
+    cyc.matches.clear()
+    tie = CostScorer().estimates(cyc, [stuck, idle])
+    cyc.matches.update(cold)
+    assert tie[stuck.key] == tie[idle.key], "an idle engine with open streams ties with an idle one"
     for t in tickets:
         acc.finish(t)
     acc.reconcile(stuck)

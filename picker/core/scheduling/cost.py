@@ -15,7 +15,10 @@ endpoint's calibrated load model (:mod:`picker.core.calibration`, ``EndpointStat
   each, whichever is larger. A request released too early by the prediction is still in the
   scraped queue, so it is counted there. ``unseen(e)``: our requests, sent before the last
   scrape, that the engine counted neither running nor waiting (stuck in front of it), each at
-  ``u(e)`` too. Charging every waiting request the average instead
+  ``u(e)`` too.
+- ``running(e)``: the scraped running count, or the requests we (and the peers) have in flight
+  there if more, less those the engine has already finished (streams Envoy has not closed:
+  counting them would break every tie between idle replicas the same way). Charging every waiting request the average instead
   double-counts our own cheap cache hits queued on a prefix's holder and spills hot prefixes
   needlessly.
 - ``rate(e)``: the endpoint's prefill rate in uncached tokens/s, measured from its own
@@ -82,7 +85,7 @@ class CostScorer:
             peer_pending = peer.pending_prefill_tokens
             queued = load.pending_prefill_tokens + (foreign if foreign > peer_pending else peer_pending)
             queued += load.unseen_requests * u
-            sent = load.in_flight_requests + peer.in_flight_requests
+            sent = load.in_flight_requests - load.finished_streams + peer.in_flight_requests
             running = m.running if m.running > sent else sent
             step = model.step_base_s + model.step_per_seq_s * running
             out[e.key] = (queued + miss * uncached) / model.prefill_rate + step
