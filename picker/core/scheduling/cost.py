@@ -30,7 +30,11 @@ endpoint's calibrated load model (:mod:`picker.core.calibration`, ``EndpointStat
 
 The score ranks ``cost(e) = ttft(e) + miss_penalty * uncached(e) / rate(e)`` as
 ``min_cost / cost(e)``: 1 for the cheapest endpoint, smaller for the rest, so the max-score
-picker picks the minimum. The penalty charges a miss for what the request's own TTFT leaves
+picker picks the minimum. Costs within one engine step (``step_base``) of the cheapest also
+score 1, a tie the picker breaks at random: the model cannot resolve less (a stale running
+gauge, an open stream, a few percent of measured speed), and ranking on such a difference
+sends every cold request to the same replica (on two real vLLM-CPU replicas, 61 / 3 and
+64 / 0 on workloads with nothing to share). The penalty charges a miss for what the request's own TTFT leaves
 out: its uncached prefill is work that every later request queued on ``e`` waits behind, and it
 writes a second copy of a prefix another endpoint may already hold.
 
@@ -93,5 +97,8 @@ class CostScorer:
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
         est = self._costs(cycle, endpoints, self.miss_penalty)
-        best = min(est.values())
-        return {k: best / v for k, v in est.items()}
+        key = min(est, key=est.__getitem__)
+        best = est[key]
+        # Within one engine step of the best is a tie (score 1, broken at random by the picker).
+        tie = best + next(e for e in endpoints if e.key == key).model.step_base_s
+        return {k: 1.0 if v <= tie else best / v for k, v in est.items()}
