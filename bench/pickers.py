@@ -30,6 +30,7 @@ import pathlib
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -338,8 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             procs.stop()
     print(text)
+    command = "python -m bench.pickers " + " ".join(sys.argv[1:] if argv is None else argv)
+    head = f"Command: `{command}` ({a.repeats} repeats, median [min-max]; {a.replicas} simulated replicas)."
     stem.with_suffix(".json").write_text(json.dumps({"args": vars(a), "rows": data}, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(text + "\n")
+    stem.with_suffix(".md").write_text(f"{head}\n\n{text}\n")
     return 0
 
 

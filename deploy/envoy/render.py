@@ -62,7 +62,7 @@ every ``--picker-health-interval`` (0.5 s), traffic or not, and marked unhealthy
 outlier detection ejects a picker at its first local-origin failure (connect refused, reset:
 split from the picker's own answers), before its next health check; and the ext_proc stream is
 opened with ``grpc_service.retry_policy``, retried on another picker on a connect failure, a refused
-stream or a reset before any response (checked on Envoy 1.40: a stream whose picker had just been
+stream or a reset before the picker answered anything (checked on Envoy 1.40: a stream whose picker had just been
 SIGKILLed is retried on a live one, as ``tests/precise/test_three_pickers.py`` shows). What remains is the
 requests whose stream was already on the killed picker: they follow the failure mode.
 
@@ -201,10 +201,11 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
 def _picker_retry() -> dict[str, Any]:
-    """Opening the ext_proc stream is retried on another picker when the first did not take it:
-    nothing reached a picker, so nothing is done twice."""
+    """The ext_proc stream is retried on another picker when the first never answered: it was not
+    taken (connect failure, refused stream) or the picker died before sending anything (reset,
+    before response headers). Nothing the dead picker did is lost: its accounting died with it."""
     return {
-        "retry_on": "connect-failure,refused-stream,reset-before-request",
+        "retry_on": "connect-failure,refused-stream,reset-before-request,reset",
         "num_retries": 2,
         "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
         "retry_host_predicate": [
