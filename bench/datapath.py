@@ -41,6 +41,8 @@ from kvlaunch import PY, ROOT, Procs, Stack, free_port, http, wait_port
 
 from .routers import PEERS, start_peer
 
+JSON = {"content-type": "application/json"}
+"""vllm-router answers 415 without it (wrk's script sends it too)."""
 STREAM_EVENTS = 256
 """Events per streamed response (``bench.upstream``'s default ``--chunks``)."""
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -178,7 +180,7 @@ def _wait_routable(t: Target, children: Procs, timeout: float = 60.0) -> None:
     while time.monotonic() < deadline:
         children.check()
         with suppress(OSError):
-            if http("POST", t.url + "/v1/chat/completions", body)[0] == 200:
+            if http("POST", t.url + "/v1/chat/completions", body, JSON)[0] == 200:
                 return
         time.sleep(0.2)
     raise RuntimeError(f"{t.url} never answered 200")
@@ -187,7 +189,8 @@ def _wait_routable(t: Target, children: Procs, timeout: float = 60.0) -> None:
 def check_answer(name: str, t: Target, case: Case) -> None:
     """One request of ``case`` through ``t`` gets what the upstream sends: the whole SSE stream
     (every event, then [DONE]) for a streaming case, the JSON completion otherwise."""
-    status, got, _ = http("POST", t.url + "/v1/chat/completions", make_body(case.body_bytes, case.stream))
+    body = make_body(case.body_bytes, case.stream)
+    status, got, _ = http("POST", t.url + "/v1/chat/completions", body, JSON)
     assert status == 200, f"{name}: {status} {got[:200]!r}"
     if case.stream:
         events = got.count(b"data: ")
