@@ -84,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-concurrent-streams",
         type=int,
         default=so.max_concurrent_streams,
-        help="cap on concurrent gRPC calls on the ext_proc port; over it a stream is refused "
-        "(RESOURCE_EXHAUSTED) and Envoy's failure mode applies; 0 for no cap",
+        help="cap on concurrent ext_proc streams (health checks on the same port are not "
+        "counted); over it a stream is refused (RESOURCE_EXHAUSTED) and Envoy's failure mode "
+        "applies; 0 for no cap",
     )
     g.add_argument(
         "--response-headers",

@@ -383,8 +383,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         default_mode: int = FULL_DUPLEX,
         parser: BodyParser | None = None,
         response_headers: str = "when-needed",
+        max_streams: int = 0,
     ) -> None:
         assert response_headers in RESPONSE_HEADERS, f"response_headers {response_headers!r}"
+        assert max_streams >= 0, f"max_streams must be >= 0, got {max_streams}"
         self.router = router
         self.telemetry = telemetry
         self.default_mode = default_mode
@@ -392,6 +394,11 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """Parses large bodies off the event loop; None parses every body inline."""
         self.skip_response_headers = response_headers == "when-needed" and router.cfg.fallbacks == 0
         """No fallbacks: the primary serves or nothing does, so the served endpoint tells nothing."""
+        self.max_streams = max_streams
+        """Cap on concurrent ext_proc streams (0: none). Counted here, not by the gRPC server,
+        so health checks and Explain calls on the same port never take a stream's slot."""
+        self.open_streams = 0
+        """Ext_proc streams in progress; written only by :meth:`Process`."""
         self._counted = {k: telemetry.extproc_messages.labels(k) for k in MESSAGE_KINDS} if telemetry else {}
         """Pre-bound counter children: one ``inc`` per message, no label lookup."""
 
@@ -431,11 +438,17 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def Process(
         self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
+        if self.max_streams and self.open_streams >= self.max_streams:
+            # Refused before a message is read: Envoy's failure mode applies to this request.
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"over {self.max_streams} concurrent ext_proc streams"
+            )
         ex = Exchange(
             self.router, self.telemetry, self.router.cfg.max_body_bytes, self.default_mode, self.default_mode
         )
         ex.skip_response_headers = self.skip_response_headers
         outcome = "aborted"
+        self.open_streams += 1
         try:
             async for msg in requests:
                 try:
@@ -450,6 +463,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     yield resp
             outcome = "ok"
         finally:
+            self.open_streams -= 1
             ex.close(outcome)
 
     def _step(self, ex: Exchange, msg: pb.ProcessingRequest) -> Iterable[pb.ProcessingResponse]:

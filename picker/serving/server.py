@@ -70,8 +70,9 @@ class ServerOptions:
     enable_explain_grpc: bool = False
     """Serve the ``kvpick.v1.Explain`` gRPC service on the ext_proc port."""
     max_concurrent_streams: int = 4096
-    """Concurrent gRPC calls on the ext_proc port (ext_proc streams and health checks); over it
-    a call is refused with RESOURCE_EXHAUSTED and Envoy's failure mode applies. 0: no cap."""
+    """Concurrent ext_proc streams; over it a stream is refused with RESOURCE_EXHAUSTED and
+    Envoy's failure mode applies. Health checks and Explain calls on the same port are not
+    counted (a full picker must still answer its health checks). 0: no cap."""
     drain_timeout_s: float = 130.0
     response_headers: str = "when-needed"
     """``when-needed`` or ``always``: see :class:`~picker.serving.extproc.ExtProcService`."""
@@ -133,16 +134,20 @@ class PickerServer:
             await asyncio.sleep(0.1)
 
     def _grpc_server(self) -> grpc.aio.Server:
-        cap = self.opts.max_concurrent_streams or None
         reuse = int(self.opts.reuse_port)
         # A BUFFERED body arrives as one message: up to Envoy's buffer limit (the body limit plus
         # 64 KiB, deploy/envoy/render.py), which must reach the picker to get its 413, not
         # gRPC's 4 MiB default receive cap (RESOURCE_EXHAUSTED, a 500 from Envoy).
         max_message = self.cfg.max_body_bytes + MESSAGE_HEADROOM
         options = [("grpc.so_reuseport", reuse), ("grpc.max_receive_message_length", max_message)]
-        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=cap)
+        server = grpc.aio.server(options=options)
         service = ExtProcService(
-            self.router, self.telemetry, self.opts.default_body_mode, self.parser, self.opts.response_headers
+            self.router,
+            self.telemetry,
+            self.opts.default_body_mode,
+            self.parser,
+            self.opts.response_headers,
+            max_streams=self.opts.max_concurrent_streams,
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -118,3 +118,55 @@ def test_stream_cap_refuses_cleanly_and_envoy_failure_mode_applies(tmp_path: pat
         st.wait_in_flight_zero()
     finally:
         procs.stop()
+
+
+def test_health_checks_do_not_take_stream_slots(tmp_path: pathlib.Path) -> None:
+    """With --max-concurrent-streams 1: a long health Watch on the ext_proc port leaves the one
+    slot to ext_proc; while an ext_proc stream holds it, a health Check still answers SERVING and
+    a second ext_proc stream is refused with RESOURCE_EXHAUSTED."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    procs = Procs(tmp_path)
+    st = Stack(procs, [free_port()])
+    try:
+        st.start_picker("--max-concurrent-streams", "1", "--secure-serving", "false", debug=False)
+        headers = pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/models")]),
+            end_of_stream=True,
+        )
+        with grpc.insecure_channel(f"127.0.0.1:{st.grpc_port}") as ch:
+            health_stub = health_pb2_grpc.HealthStub(ch)
+            svc = "envoy.service.ext_proc.v3.ExternalProcessor"
+            watch = health_stub.Watch(health_pb2.HealthCheckRequest(service=svc), timeout=30)
+            next(watch)  # the watch is open for the rest of the test
+            stub = pb_grpc.ExternalProcessorStub(ch)
+            held = threading.Event()
+
+            def _held_messages() -> object:
+                yield pb.ProcessingRequest(request_headers=headers)
+                held.wait(20)
+
+            first = stub.Process(_held_messages(), timeout=30)
+            assert next(first).WhichOneof("response") == "request_headers", "the watch took the slot"
+            check = health_stub.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5)
+            assert check.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Process(iter([pb.ProcessingRequest(request_headers=headers)]), timeout=5))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            held.set()
+            list(first)
+            deadline = time.monotonic() + 10  # the slot frees once the held stream ends
+            while True:
+                try:
+                    list(stub.Process(iter([pb.ProcessingRequest(request_headers=headers)]), timeout=5))
+                    break
+                except grpc.RpcError as exc:
+                    assert time.monotonic() < deadline, exc
+                    time.sleep(0.1)
+            watch.cancel()
+        assert "Traceback" not in procs.log("picker")
+    finally:
+        procs.stop()
