@@ -7,6 +7,9 @@ of at least ``threshold`` bytes go to one spawned worker process (spawned, not f
 picker's gRPC threads must not be forked); smaller ones, and every body when the worker is
 broken, are parsed inline. What comes back is small: the request with its routing text already
 cut to what the hasher reads, and the rewritten body only when a trusted rewrite changed it.
+
+The worker runs at a lower CPU priority (``WORKER_NICE``): where cores are scarce, the event loop
+that serves every other request preempts it, and the large body's own parse waits instead.
 """
 
 from __future__ import annotations
@@ -86,10 +89,12 @@ def _parse_chunks(
 
 
 _PR_SET_PDEATHSIG = 1
+WORKER_NICE = 10
+"""Added to the worker's nice value: the picker's event loop wins the CPU over a large parse."""
 
 
 def _die_with_parent(parent: int) -> None:
-    """Runs first in the worker: it dies with the picker however the picker ends. A SIGKILLed
+    """Runs first in the worker: it lowers its CPU priority, and it dies with the picker however the picker ends. A SIGKILLed
     picker (OOM kill, ``kill -9``) otherwise leaves the worker, and spawn's resource tracker
     whose pipe the worker holds, running for ever. The pool spawns from the event loop's thread,
     which lives as long as the picker, so the death signal fires only when the picker exits."""
@@ -97,6 +102,7 @@ def _die_with_parent(parent: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the picker died before the death signal was armed
         os._exit(0)
+    os.nice(WORKER_NICE)
 
 
 def _warm() -> None:
