@@ -151,10 +151,11 @@ end
 
 def _report_served() -> list[dict[str, Any]]:
     """Filters (before the router) that tell the picker which host served, as the protocol's data
-    plane MUST, for upstreams that may serve a fallback (``pool``). Envoy 1.40's override_host does
-    not report it, so on the response path a header mutation stamps ``%UPSTREAM_HOST%`` and a Lua
-    filter moves it into ``envoy.lb`` metadata, which ext_proc forwards (the client never sees the
-    stamp). Responses run the filter chain backwards: stamp, Lua, then ext_proc."""
+    plane MUST, in every config: with ``pool`` a fallback may serve; with ``ORIGINAL_DST`` the one
+    host named is the one that serves, and the report confirms it. Neither Envoy 1.40's
+    override_host nor ORIGINAL_DST reports it, so on the response path a header mutation stamps
+    ``%UPSTREAM_HOST%`` and a Lua filter moves it into ``envoy.lb`` metadata, which ext_proc
+    forwards (the client never sees the stamp). Responses run the filter chain backwards: stamp, Lua, then ext_proc."""
     stamp = {
         "header": {"key": SERVED_STAMP, "value": "%UPSTREAM_HOST%"},
         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
@@ -496,7 +497,7 @@ def render(
                             routes,
                             ext_proc,
                             stream_idle_timeout,
-                            _report_served() if upstream == "pool" else [],
+                            _report_served(),
                             max_body_bytes,
                         ),
                     }

@@ -340,8 +340,12 @@ class Exchange:
     def on_response_headers(
         self, msg: pb.HttpHeaders, served: str | None = None
     ) -> list[pb.ProcessingResponse]:
-        if served and self.ticket is not None and self.router.recredit(self.ticket, served):
-            self.chosen = [served, *(k for k in self.chosen if k != served)]
+        if served and self.ticket is not None:
+            primary = bool(self.chosen) and served == self.chosen[0]
+            if self.telemetry:
+                (self.telemetry.served_primary if primary else self.telemetry.served_other).inc()
+            if not primary and self.router.recredit(self.ticket, served):
+                self.chosen = [served, *(k for k in self.chosen if k != served)]
         headers = _headers_map(msg)
         status = headers.get(":status", "")
         self.measurable = status.startswith("2") and headers.get("content-type", "").startswith(

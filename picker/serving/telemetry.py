@@ -32,6 +32,14 @@ class Telemetry:
         self.requests = Counter(
             "kvpick_requests", "Requests by decision and outcome", ["decision", "outcome"], registry=r
         )
+        self.served = Counter(
+            "kvpick_served_reports",
+            "Served endpoints Envoy reported on the response path (x-gateway-destination-endpoint-"
+            "served), by whether the picker's primary served, or another endpoint it was credited to",
+            ["served"],
+            registry=r,
+        )
+        self.served_primary, self.served_other = self.served.labels("primary"), self.served.labels("other")
         self.e2e = Histogram(
             "inference_extension_scheduler_e2e_duration_seconds",
             "End-to-end scheduling latency (parse, hash, score, pick)",

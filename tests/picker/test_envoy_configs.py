@@ -187,3 +187,42 @@ def test_sse_stays_streamed(name: str, response: str, tmp_path: pathlib.Path) ->
         st.wait_in_flight_zero()
     finally:
         st.procs.stop()
+
+
+def _served_reports(metrics_port: int) -> dict[str, float]:
+    status, body, _ = http("GET", f"http://127.0.0.1:{metrics_port}/metrics")
+    assert status == 200
+    out = {"primary": 0.0, "other": 0.0}
+    for line in body.decode().splitlines():
+        if line.startswith("kvpick_served_reports_total{"):
+            label = line.split('served="', 1)[1].split('"', 1)[0]
+            out[label] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_config_reports_the_served_endpoint(name: str, tmp_path: pathlib.Path) -> None:
+    """Every shipped config, ORIGINAL_DST ones included, tells the picker on the response path
+    which endpoint served (the protocol's ``x-gateway-destination-endpoint-served``): with one host
+    named per request, it is the primary every time. The picker is asked for response headers
+    (``--response-headers always``) so it reads the report."""
+    st = Stack(Procs(tmp_path), [free_port(), free_port()])
+    try:
+        st.start_upstreams()
+        st.start_picker("--response-headers", "always")
+        envoy_configs.start_envoy(st, name)
+        deadline = time.monotonic() + 20
+        while post_json(st.url + "/v1/completions", {"model": "m", "prompt": "w"})[0] != 200:
+            assert time.monotonic() < deadline, st.procs.log("envoy")
+            time.sleep(0.2)
+        before = _served_reports(st.metrics_port)
+        for i in range(6):
+            status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": f"served {i}"})
+            assert status == 200, body
+            assert "x-kvpick-served" not in body.get("headers", {}), "the stamp leaked upstream"
+        st.wait_in_flight_zero()
+        after = _served_reports(st.metrics_port)
+        assert after["primary"] - before["primary"] == 6, (before, after, st.procs.log("envoy"))
+        assert after["other"] == 0, after
+    finally:
+        st.procs.stop()
