@@ -103,10 +103,12 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_soak(minutes: float, fraction: float) -> dict[str, Any]:
+def run_soak(minutes: float, fraction: float, index_capacity: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        got = asyncio.run(soak.soak(pathlib.Path(tmp), minutes, fraction))
+        got = asyncio.run(soak.soak(pathlib.Path(tmp), minutes, fraction, index_capacity=index_capacity))
     got["command"] = f"python -m bench.reliability soak --minutes {minutes:g} --load-fraction {fraction:g}"
+    if index_capacity:
+        got["command"] += f" --index-capacity {index_capacity}"
     return got
 
 
@@ -122,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--load-fraction", type=float, default=0.8)
+    p.add_argument(
+        "--index-capacity",
+        type=int,
+        default=0,
+        help="soak: the picker's per-endpoint prefix index bound (0: derived from the replicas)",
+    )
     a = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -133,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         results["fuzz"] = run_fuzz(a.cases, a.seed, a.concurrency, a.drawn_fraction) | {"machine": machine}
         _save(results)
     if a.what in ("soak", "all"):
-        results["soak"] = run_soak(a.minutes, a.load_fraction) | {"machine": machine}
+        key = f"soak_index_{a.index_capacity}" if a.index_capacity else "soak"
+        results[key] = run_soak(a.minutes, a.load_fraction, a.index_capacity) | {"machine": machine}
         _save(results)
     _save(results)
     return 0
