@@ -49,11 +49,8 @@ def test_every_shipped_config_is_hardened(name: str) -> None:
     assert hcm["use_remote_address"] is True
     ext_proc, *served, router = hcm["http_filters"]
     assert ext_proc["name"] == "envoy.filters.http.ext_proc" and router["name"].endswith("router")
-    pool = any(
-        c["name"] == "kvpick_upstream" and c["type"] == "STATIC" for c in cfg["static_resources"]["clusters"]
-    )
-    # Only an upstream that may serve a fallback needs Envoy to report the served host.
-    assert [f["name"] for f in served] == (["envoy.filters.http.lua", "kvpick.served_stamp"] if pool else [])
+    # Every config reports the served host on the response path (the protocol's MUST).
+    assert [f["name"] for f in served] == ["envoy.filters.http.lua", "kvpick.served_stamp"]
     namespaces = ext_proc["typed_config"]["metadata_options"]["forwarding_namespaces"]["untyped"]
     assert namespaces == ["envoy.lb", "envoy.lb.subset_hint"]
     [strip] = hcm["early_header_mutation_extensions"]  # before route selection, not a filter
