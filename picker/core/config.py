@@ -108,6 +108,12 @@ class PrefixConfig:
     tokenizer_cache_entries: int = 64
     """Texts whose tokenization is kept for reuse by requests sharing their prefix (0: off; off
     for a tokenizer that does not split words at whitespace, see ``picker.core.tokenize.cache``)."""
+    precise_miss_penalty: float = 2.0
+    """In a precise cycle (the KV events say what each endpoint holds), every ``cost`` scorer left
+    at its default ``miss_penalty`` (1.0) charges a miss this much instead: an exact miss is a
+    second copy of a prefix that another endpoint really holds, where an approximate one may be
+    a guess. Measured in cluster mode (Mooncake, 8 x H100 8B): 0.325 -> 0.337 of a 0.346 LRU
+    ceiling, TTFT p50 / p90 about equal, p99 +5% (README). 1.0: as in approximate mode."""
     remote_tokenize: bool = True
     """Without ``tokenizer``, ask a ready replica's vLLM ``/tokenize`` for the prompt's ids
     (``picker.core.tokenize.remote``); false: such text prompts are matched approximately."""
@@ -123,6 +129,8 @@ class PrefixConfig:
             raise ValueError("prefix.block_size, speculative_ttl_s and refill_s must be >= 0")
         if self.tokenizer_cache_entries < 0 or self.remote_tokenize_cache_entries < 0:
             raise ValueError("prefix.tokenizer_cache_entries and remote_tokenize_cache_entries must be >= 0")
+        if self.precise_miss_penalty < 0:
+            raise ValueError("prefix.precise_miss_penalty must be >= 0")
         if self.remote_tokenize_timeout_s <= 0:
             raise ValueError("prefix.remote_tokenize_timeout_s must be > 0")
         object.__setattr__(self, "data_parallel_ports", tuple(self.data_parallel_ports))  # YAML gives a list

@@ -75,6 +75,13 @@ class Router:
         for p in self.profiles.values():
             p.timer = plugin_timer
         self.profile = self.profiles[cfg.policy]
+        self.precise_profiles: dict[str, Profile] = {}
+        """Each profile as it runs a precise cycle: its default-penalty ``cost`` scorers charge
+        ``prefix.precise_miss_penalty`` per miss (``PrefixConfig``); empty in approximate mode."""
+        if cfg.prefix.mode != "approximate":
+            self.precise_profiles = {
+                n: _with_miss_penalty(p, cfg.prefix.precise_miss_penalty) for n, p in self.profiles.items()
+            }
         self._block_tokens = cfg.hashing.block_size / cfg.index.chars_per_token
         self.accounting = Accounting(cfg.rate_ewma_alpha, clock)
         self.parse_options = ParseOptions(
@@ -233,6 +240,8 @@ class Router:
         self.accounting.expire(candidates)
         cyc, hashes, keys = self.cycle(req, candidates)
         profile = self.profiles[policy] if policy else self.profile
+        if keys is not None:
+            profile = self.precise_profiles.get(profile.name, profile)
         result = profile.run(cyc, candidates, 1 + self.cfg.fallbacks, commit)
         return Decision(cyc, result, hashes, keys)
 
@@ -356,3 +365,18 @@ class Router:
                 for e in candidates
             },
         }
+
+
+def _with_miss_penalty(profile: Profile, penalty: float) -> Profile:
+    """``profile`` with its ``cost`` scorers that are at the default miss penalty charging
+    ``penalty`` instead (new scorer objects; filters and picker shared); itself if none is."""
+    default = CostScorer().miss_penalty
+    if not any(isinstance(s, CostScorer) and s.miss_penalty == default for _, s, _ in profile.scorers):
+        return profile
+    scorers = [
+        (n, dataclasses.replace(s, miss_penalty=penalty), w)
+        if isinstance(s, CostScorer) and s.miss_penalty == default
+        else (n, s, w)
+        for n, s, w in profile.scorers
+    ]
+    return Profile(profile.name, profile.filters, scorers, profile.picker, profile.timer)
