@@ -14,7 +14,7 @@ import socket
 
 import pytest
 
-from kvlaunch import PY, Procs, Stack, free_port, http
+from kvlaunch import PY, Procs, Stack, free_port, http, wait_port
 from tests.precise.test_picker_precise import MODEL, debug, wait_for
 
 pytestmark = [pytest.mark.precise, pytest.mark.timeout(240)]
@@ -76,6 +76,7 @@ def test_each_rank_feeds_its_own_endpoint(tmp_path: pathlib.Path) -> None:
             "--data-parallel-ports",
             dp,
         )
+        wait_port(st.debug_port)  # the debug API opens after the ports start_picker waits for
         wait_for(lambda: all(e["health"] == "ready" for e in st.endpoints().values()), "ranks ready", 30)
         keys = [f"127.0.0.1:{p}" for p in ports]
         docs = [[7 + i, *range(1000 * (i + 2), 1000 * (i + 2) + 16 * 8)] for i in range(2)]
