@@ -28,8 +28,12 @@ from typing import Any
 from aiohttp import web
 
 Obj = dict[str, Any]
-PODS, POOLS = "pods", "inferencepools"
-KINDS = {PODS: ("v1", "Pod"), POOLS: ("inference.networking.k8s.io/v1", "InferencePool")}
+PODS, POOLS, OBJECTIVES = "pods", "inferencepools", "inferenceobjectives"
+KINDS = {
+    PODS: ("v1", "Pod"),
+    POOLS: ("inference.networking.k8s.io/v1", "InferencePool"),
+    OBJECTIVES: ("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective"),
+}
 _END, _DROP, _TEAR = object(), object(), object()
 
 
@@ -71,7 +75,10 @@ def _matches(obj: Obj, selector: Mapping[str, str], fields: Mapping[str, str]) -
 
 
 class FakeKube:
-    def __init__(self) -> None:
+    def __init__(self, objective_crd: bool = True) -> None:
+        """``objective_crd`` False: the InferenceObjective CRD is not installed (its list is a 404,
+        as on a real API server)."""
+        self.objective_crd = objective_crd
         self.rv = 100
         self.objects: dict[tuple[str, str, str], Obj] = {}
         self.history: list[tuple[int, str, str, str, Obj, Obj | None]] = []
@@ -89,6 +96,9 @@ class FakeKube:
         app = web.Application()
         app.router.add_get("/api/v1/namespaces/{ns}/pods", self._pods)
         app.router.add_get("/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools", self._pools)
+        if self.objective_crd:
+            path = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferenceobjectives"
+            app.router.add_get(path, self._objectives)
         self._runner = web.AppRunner(app, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -201,6 +211,9 @@ class FakeKube:
     async def _pools(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, POOLS)
 
+    async def _objectives(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, OBJECTIVES)
+
     async def _serve(self, request: web.Request, resource: str) -> web.StreamResponse:
         ns, q = request.match_info["ns"], dict(request.query)
         watch = q.get("watch") in ("true", "1")
@@ -310,6 +323,17 @@ def pod(
     if ip:
         status["podIP"] = ip
     return {"metadata": meta, "spec": {"containers": [{"name": "vllm", "image": "vllm"}]}, "status": status}
+
+
+def objective(name: str, pool_name: str, priority: int | None = None) -> Obj:
+    """An InferenceObjective (``inference.networking.x-k8s.io/v1alpha2``) for pool ``pool_name``;
+    ``priority`` None leaves it unset (GIE reads that as 0)."""
+    spec: Obj = {
+        "poolRef": {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool_name}
+    }
+    if priority is not None:
+        spec["priority"] = priority
+    return {"metadata": {"name": name}, "spec": spec}
 
 
 def pool(name: str, labels: Mapping[str, str], ports: list[int], picker: str = "kvpick-picker") -> Obj:

@@ -24,7 +24,10 @@ from aiohttp import web
 
 def _reserved(name: str) -> bool:
     n = name.lower()
-    return n.startswith(("x-envoy-", "x-gateway-destination-endpoint")) or n == "x-gateway-model-name-rewrite"
+    return n.startswith(("x-envoy-", "x-gateway-destination-endpoint")) or n in (
+        "x-gateway-model-name-rewrite",
+        "x-gateway-inference-objective",
+    )
 
 
 def _num(value: object, default: float, kind: type, cap: float) -> Any:

@@ -117,15 +117,21 @@ def _ext_proc(picker: str, failure_open: bool, request_mode: str, response_mode:
     }
 
 
-def _strip_headers() -> list[dict[str, Any]]:
+def _strip_headers(objective_header: str = "pass") -> list[dict[str, Any]]:
     """Client-sent routing headers never reach route selection, ext_proc, the router or the
     upstream. An early header mutation runs in the connection manager before the route is chosen:
     a filter would run after it, and a forged destination header would already have picked the
-    ORIGINAL_DST route (with fail-open and the picker down, that request then had no host)."""
+    ORIGINAL_DST route (with fail-open and the picker down, that request then had no host).
+    ``objective_header`` "strip" drops the client's ``x-gateway-inference-objective`` too (GIE
+    lets clients choose it, and so their priority); "pass" keeps it (GIE's behaviour). A route's
+    header modifier would not do: Envoy applies it in the router filter, after ext_proc."""
+    assert objective_header in OBJECTIVE_HEADER_MODES, f"objective_header {objective_header!r}"
     mutations: list[dict[str, Any]] = [
         {"remove_on_match": {"key_matcher": {"prefix": p, "ignore_case": True}}} for p in (DEST, "x-envoy-")
     ]
     mutations.append({"remove": REWRITE})
+    if objective_header == "strip":
+        mutations.append({"remove": OBJECTIVE})
     return [
         {
             "name": "envoy.http.early_header_mutation.header_mutation",
@@ -137,6 +143,8 @@ def _strip_headers() -> list[dict[str, Any]]:
     ]
 
 
+OBJECTIVE = "x-gateway-inference-objective"
+OBJECTIVE_HEADER_MODES = ("pass", "strip")
 SERVED_STAMP = "x-kvpick-served"
 SERVED_LUA = f"""
 function envoy_on_response(handle)
@@ -414,13 +422,14 @@ def _hcm(
     idle: str,
     served: list[dict[str, Any]],
     max_body_bytes: int = MAX_BODY,
+    objective_header: str = "pass",
 ) -> dict[str, Any]:
     return {
         "@type": _T + "filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "kvpick",
         "codec_type": "AUTO",
         "use_remote_address": True,
-        "early_header_mutation_extensions": _strip_headers(),
+        "early_header_mutation_extensions": _strip_headers(objective_header),
         "stream_idle_timeout": idle,
         "request_headers_timeout": "10s",
         "common_http_protocol_options": {"idle_timeout": "300s"},
@@ -477,6 +486,7 @@ def render(
     stream_idle_timeout: str = "300s",
     max_body_bytes: int = MAX_BODY,
     picker_health_interval: str = "0.5s",
+    objective_header: str = "pass",
 ) -> dict[str, Any]:
     """The whole Envoy bootstrap. ``body_mode`` is the request body's; ``picker`` is one or more
     comma-separated ext_proc addresses; see the module doc."""
@@ -499,6 +509,7 @@ def render(
                             stream_idle_timeout,
                             _report_served(),
                             max_body_bytes,
+                            objective_header,
                         ),
                     }
                 ]
@@ -565,6 +576,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--stream-idle-timeout", default="300s", help="reset a stream idle this long")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY, help="the picker's --max-body-bytes")
+    p.add_argument(
+        "--objective-header",
+        choices=OBJECTIVE_HEADER_MODES,
+        default="pass",
+        help="strip: drop the client's x-gateway-inference-objective before ext_proc (clients cannot "
+        "claim a priority); pass: keep it (GIE's design: the client chooses its objective)",
+    )
     p.add_argument("-o", "--output", default="-")
     return p
 
@@ -588,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
             stream_idle_timeout=a.stream_idle_timeout,
             max_body_bytes=a.max_body_bytes,
             picker_health_interval=a.picker_health_interval,
+            objective_header=a.objective_header,
         )
     except ValueError as err:
         parser().error(str(err))

@@ -27,6 +27,7 @@ from picker.core.config import RouterConfig, build_profile
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import EndpointState
 from picker.core.errors import NoEndpoints
+from picker.core.objectives import Objectives
 from picker.core.prefix.events import State, Sync
 from picker.core.prefix.hashing import seed_for
 from picker.core.prefix.index import PrefixIndex
@@ -70,6 +71,8 @@ class Router:
         self.pool = pool
         self.clock = clock
         self.index = PrefixIndex(cfg.index.capacity_blocks, cfg.index.segments)
+        self.objectives = Objectives(cfg.objectives, cfg.default_priority)
+        """Objective priorities: config, and InferenceObjective objects where discovery feeds them."""
         self._hash_memo = HashMemo(cfg.hashing)
         self.profiles: dict[str, Profile] = {n: build_profile(n, s) for n, s in cfg.profiles.items()}
         for p in self.profiles.values():
@@ -175,7 +178,7 @@ class Router:
     ) -> tuple[Cycle, list[int], list[int] | None]:
         """The cycle's inputs, the routing text's block hashes (approximate index) and, when
         precise matching applies, the prompt's KV-block keys."""
-        priority = self.cfg.objectives.get(req.objective, self.cfg.default_priority)
+        priority = self.objectives.priority(req.objective)
         tokens, bs = req.prompt_token_ids, self.precise_block_size()
         exact = [e.key for e in candidates if self.is_precise(e.key)] if tokens is not None and bs else []
         if exact:

@@ -29,6 +29,7 @@ from picker._proto.kvpick.v1 import explain_pb2_grpc
 from picker.core.config import RouterConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import EndpointProvider, EndpointState, Health
+from picker.core.objectives import ObjectiveSource
 from picker.core.peers import Peers
 from picker.core.prefix.subscribers import Subscribers
 from picker.core.router import Router
@@ -101,6 +102,8 @@ class PickerServer:
             points[prof.picker[0]] = "Picker"
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.pool.on_remove(lambda s: self.telemetry.forget(s.key))
+        if isinstance(provider, ObjectiveSource):  # Kubernetes: InferenceObjective objects
+            provider.attach_objectives(self.router.objectives)
         self.parser = BodyParser(cfg.parse_offload_bytes)
         self._stopping = asyncio.Event()
         self._subs: Subscribers | None = None

@@ -207,6 +207,11 @@ def test_defaults_picker_pool_and_rbac() -> None:
             "resources": ["inferencepools"],
             "verbs": ["get", "list", "watch"],
         },
+        {
+            "apiGroups": ["inference.networking.x-k8s.io"],
+            "resources": ["inferenceobjectives"],
+            "verbs": ["get", "list", "watch"],
+        },
     ]
     binding = one(docs, "RoleBinding")
     assert (

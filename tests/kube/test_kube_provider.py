@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator, Callable, Iterable
 import pytest
 from kubernetes import client as k8s
 
-from kvlaunch.fakekube import PODS, POOLS, FakeKube, pod, pool
+from kvlaunch.fakekube import OBJECTIVES, PODS, POOLS, FakeKube, objective, pod, pool
 from picker.core.endpoints.kube import KubeProvider, PodView, PoolSpec, WatchConfig, parse_ports
 from picker.core.endpoints.types import Endpoint
+from picker.core.objectives import Objectives
 
 pytestmark = pytest.mark.kube
 NS = "serving"
@@ -293,3 +294,52 @@ def test_parsers() -> None:
     ]
     assert PodView.parse(pod("p", "10.1.1.1", ready=False)).endpoints([1]) == []
     assert PodView.parse({"metadata": {"name": "bare"}}).endpoints([1]) == []
+
+
+async def test_inference_objectives_feed_priorities_and_win_over_config(fake: FakeKube) -> None:
+    """The pool's InferenceObjective objects set priorities (unset = 0); an object wins over a
+    config entry of the same name; another pool's objects are ignored; a deleted object falls
+    back to config; a new object arrives by the watch, not a re-list."""
+    seed(fake)
+    fake.put(OBJECTIVES, NS, objective("batch", "llm", -1))
+    fake.put(OBJECTIVES, NS, objective("plain", "llm"))
+    fake.put(OBJECTIVES, NS, objective("theirs", "other-pool", 7))
+    store = Objectives({"batch": 5, "pinned": 3}, default=1)
+    prov = provider(fake, pool_name="llm")
+    prov.attach_objectives(store)
+    async with running(prov) as sink:
+        await eventually(lambda: sink.keys is not None and prov.objective_crd is True, "the objective list")
+        assert dict(store.from_crd) == {"batch": -1, "plain": 0}
+        assert store.priority("batch") == -1, "the object must win over the config entry"
+        assert (store.priority("pinned"), store.priority("theirs"), store.priority("")) == (3, 1, 1)
+        await eventually(lambda: len(fake.watch_requests(OBJECTIVES)) >= 1, "the objective watch")
+        fake.put(OBJECTIVES, NS, objective("critical", "llm", 10))
+        await eventually(lambda: store.priority("critical") == 10, "a new object by the watch")
+        fake.put(OBJECTIVES, NS, objective("plain", "other-pool", 4))
+        await eventually(lambda: "plain" not in store.from_crd, "an object moved to another pool")
+        fake.delete(OBJECTIVES, NS, "batch")
+        await eventually(lambda: store.priority("batch") == 5, "the deleted object's config fallback")
+        assert len(fake.list_requests(OBJECTIVES)) == 1, "a plain event caused a re-list"
+
+
+async def test_no_objective_crd_falls_back_to_config(caplog: pytest.LogCaptureFixture) -> None:
+    """Without the CRD (its list is a 404) discovery still works, priorities come from config, and
+    one log line says so."""
+    fake = FakeKube(objective_crd=False)
+    await fake.start()
+    try:
+        seed(fake)
+        store = Objectives({"batch": -1})
+        prov = provider(fake, pool_name="llm")
+        prov.attach_objectives(store)
+        with caplog.at_level(logging.INFO, logger="picker.core.endpoints.kube"):
+            async with running(prov) as sink:
+                await eventually(
+                    lambda: sink.keys == {"10.0.0.1:8000"} and prov.objective_crd is False, "sync"
+                )
+                await asyncio.sleep(0.3)  # no retries follow
+        assert store.priority("batch") == -1 and not store.from_crd
+        lines = [r.getMessage() for r in caplog.records if "InferenceObjective" in r.getMessage()]
+        assert lines == ["InferenceObjective CRD not installed: objective priorities come from config only"]
+    finally:
+        await fake.stop()

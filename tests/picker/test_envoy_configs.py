@@ -223,3 +223,26 @@ def test_every_config_reports_the_served_endpoint(name: str, tmp_path: pathlib.P
         assert after["other"] == 0, after
     finally:
         st.procs.stop()
+
+
+@pytest.mark.parametrize("mode", ["pass", "strip"])
+def test_objective_header_pass_or_strip(mode: str, tmp_path: pathlib.Path) -> None:
+    """``--objective-header strip`` drops the client's x-gateway-inference-objective before
+    ext_proc (so before the picker reads it, and before the replica); ``pass`` (the default, GIE's
+    design) lets it through."""
+    st = Stack(Procs(tmp_path), [free_port(), free_port()])
+    try:
+        st.start_upstreams()
+        st.start_picker()
+        st.start_envoy("--objective-header", mode)
+        deadline = time.monotonic() + 20
+        while post_json(st.url + "/v1/completions", {"model": "m", "prompt": "w"})[0] != 200:
+            assert time.monotonic() < deadline, st.procs.log("envoy")
+            time.sleep(0.2)
+        hdr = {"x-gateway-inference-objective": "critical"}
+        status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "p"}, headers=hdr)
+        assert status == 200, body
+        seen = body["gateway_headers"].get("x-gateway-inference-objective")
+        assert seen == (None if mode == "strip" else "critical"), body
+    finally:
+        st.procs.stop()

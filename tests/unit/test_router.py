@@ -366,6 +366,11 @@ def test_objective_priority_from_config_decides_who_is_shed() -> None:
         assert d.cycle.priority == router.cfg.objectives.get(objective, 0)
     pool.get("127.0.0.1:8002").metrics.waiting = 100  # type: ignore[union-attr]
     assert router.route(req("y", objective="chat")).primary.key == "127.0.0.1:8002"
+    router.objectives.put("chat", -2)  # an InferenceObjective object wins over config
+    with pytest.raises(Overloaded):
+        router.route(req("z", objective="chat"))
+    router.objectives.remove("chat")
+    assert router.route(req("z", objective="chat")).cycle.priority == 5
 
 
 def test_any_ready_is_least_in_flight_within_subset() -> None:

@@ -22,6 +22,12 @@ Invariants:
 - Every target port of such a pod is its own :class:`Endpoint` (one per data-parallel rank),
   named ``<pod>-rank-<i>`` as GIE names them.
 - The sink receives the complete set, and only when it differs from the last one pushed.
+
+In pool mode, with an :class:`~picker.core.objectives.Objectives` store attached, the namespace's
+InferenceObjective objects are watched the same way and those whose ``spec.poolRef.name`` is the
+pool feed it (name → ``spec.priority``). A 404 on their first list means the CRD is not installed
+(403: the picker may not read them): one log line, and priorities come from config only. The
+objective watch never holds readiness back.
 """
 
 from __future__ import annotations
@@ -39,9 +45,12 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
 from picker.core.endpoints.types import Endpoint, EndpointSink
+from picker.core.objectives import Objectives
 
 log = logging.getLogger(__name__)
 GROUP, VERSION, PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
+OBJ_GROUP, OBJ_VERSION, OBJ_PLURAL = "inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives"
+"""GIE's InferenceObjective CRD: ``spec.priority`` (int, unset = 0) and ``spec.poolRef.name``."""
 Obj = dict[str, Any]
 
 
@@ -112,6 +121,25 @@ class PodView:
         if not (self.ready and self.ip):
             return []
         return [Endpoint(self.ip, port, f"{self.name}-rank-{i}") for i, port in enumerate(ports)]
+
+
+def objective_priority(obj: Obj, pool_name: str) -> int | None:
+    """An InferenceObjective's priority when its ``spec.poolRef`` names pool ``pool_name`` (kind
+    InferencePool), else None. An unset priority is 0, as GIE reads it; a non-integer one makes the
+    object count as absent."""
+    spec = obj.get("spec") or {}
+    ref = spec.get("poolRef") or {}
+    if ref.get("name") != pool_name or ref.get("kind", "InferencePool") != "InferencePool":
+        return None
+    prio = spec.get("priority", 0)
+    if isinstance(prio, bool) or not isinstance(prio, int):
+        log.warning("InferenceObjective %s: priority %r is not an integer: ignored", _name(obj), prio)
+        return None
+    return prio
+
+
+def _name(obj: Obj) -> str:
+    return str((obj.get("metadata") or {}).get("name", ""))
 
 
 def parse_ports(spec: str | None) -> tuple[int, ...]:
@@ -330,6 +358,15 @@ class KubeProvider:
             (GROUP, VERSION, namespace, PLURAL),
             {"field_selector": f"metadata.name={pool_name}"},
         )
+        self._objective_coll = Collection(
+            f"inferenceobjectives in {namespace}",
+            custom.list_namespaced_custom_object,
+            (OBJ_GROUP, OBJ_VERSION, namespace, OBJ_PLURAL),
+        )
+        self.objectives: Objectives | None = None
+        """Fed from InferenceObjective objects (pool mode); None: not watched."""
+        self.objective_crd: bool | None = None
+        """Whether the CRD answered its first list; None until then (or when not watched)."""
 
     @classmethod
     def from_flags(
@@ -374,6 +411,46 @@ class KubeProvider:
                 tg.create_task(
                     watch_forever(pool_coll, self.cfg, self._on_pool_list, self._on_pool, st["pool"])
                 )
+                if self.objectives is not None:
+                    tg.create_task(self._watch_objectives())
+
+    def attach_objectives(self, objectives: Objectives) -> None:
+        """Feed ``objectives`` from the pool's InferenceObjective objects (pool mode only)."""
+        if self.pool_name is not None:
+            self.objectives = objectives
+
+    async def _watch_objectives(self) -> None:
+        """The first list decides whether the CRD exists (404: no; 403: not allowed); then the
+        usual list-and-watch loop, resuming from that list's RV."""
+        state = self.watch_state.setdefault("objectives", WatchState())
+        try:
+            items, rv = await asyncio.to_thread(self._objective_coll.list, self.cfg)
+        except k8s.ApiException as exc:
+            if exc.status not in (403, 404):
+                raise
+            self.objective_crd = False
+            why = "not installed" if exc.status == 404 else "not readable (RBAC)"
+            log.info("InferenceObjective CRD %s: objective priorities come from config only", why)
+            return
+        self.objective_crd = True
+        self._on_objective_list(items)
+        state.rv, state.lists = rv, 1
+        coll = self._objective_coll
+        await watch_forever(coll, self.cfg, self._on_objective_list, self._on_objective, state)
+
+    def _on_objective_list(self, items: list[Obj]) -> None:
+        assert self.objectives is not None and self.pool_name is not None, "objectives not attached"
+        found = {_name(o): objective_priority(o, self.pool_name) for o in items}
+        self.objectives.replace({k: v for k, v in found.items() if v is not None})
+        log.info("InferenceObjectives for pool %s: %s", self.pool_name, dict(self.objectives.from_crd))
+
+    def _on_objective(self, kind: str, obj: Obj) -> None:
+        assert self.objectives is not None and self.pool_name is not None, "objectives not attached"
+        prio = None if kind == "DELETED" else objective_priority(obj, self.pool_name)
+        if prio is None:
+            self.objectives.remove(_name(obj))
+        else:
+            self.objectives.put(_name(obj), prio)
 
     def _on_pod_list(self, items: list[Obj]) -> None:
         self._pods = {view.name: view for view in map(PodView.parse, items)}
