@@ -343,3 +343,18 @@ async def test_no_objective_crd_falls_back_to_config(caplog: pytest.LogCaptureFi
         assert lines == ["InferenceObjective CRD not installed: objective priorities come from config only"]
     finally:
         await fake.stop()
+
+
+async def test_objective_list_error_does_not_stop_discovery(fake: FakeKube) -> None:
+    """A transient error on the first objective list (not a 404) is retried; pods and pool are
+    unaffected."""
+    seed(fake)
+    fake.put(OBJECTIVES, NS, objective("batch", "llm", -1))
+    fake.fail_next(500, 500, 500)  # whichever first requests they hit
+    store = Objectives({})
+    prov = provider(fake, pool_name="llm")
+    prov.attach_objectives(store)
+    async with running(prov) as sink:
+        await eventually(lambda: sink.keys == {"10.0.0.1:8000"}, "discovery despite the errors")
+        await eventually(lambda: store.priority("batch") == -1, "the objectives after a retry")
+        assert prov.objective_crd is True

@@ -423,23 +423,26 @@ class KubeProvider:
         """The first list decides whether the CRD exists (404: no; 403: not allowed); then the
         usual list-and-watch loop, resuming from that list's RV."""
         state = self.watch_state.setdefault("objectives", WatchState())
-        try:
-            items, rv = await asyncio.to_thread(self._objective_coll.list, self.cfg)
-        except k8s.ApiException as exc:
-            if exc.status not in (403, 404):
-                raise
-            self.objective_crd = False
-            why = "not installed" if exc.status == 404 else "not readable (RBAC)"
-            log.info("InferenceObjective CRD %s: objective priorities come from config only", why)
-            return
-        self.objective_crd = True
-        self._on_objective_list(items)
-        state.rv, state.lists = rv, 1
         coll = self._objective_coll
+        try:
+            items, rv = await asyncio.to_thread(coll.list, self.cfg)
+        except k8s.ApiException as exc:
+            if exc.status in (403, 404):
+                self.objective_crd = False
+                why = "not installed" if exc.status == 404 else "not readable (RBAC)"
+                log.info("InferenceObjective CRD %s: objective priorities come from config only", why)
+                return
+            log.warning("%s: %s; listing again with backoff", coll.what, _brief(exc))
+        except RETRIABLE as exc:  # a transient failure: the loop below lists again, backing off
+            log.warning("%s: %s; listing again with backoff", coll.what, _brief(exc))
+        else:
+            self._on_objective_list(items)
+            state.rv, state.lists = rv, 1
         await watch_forever(coll, self.cfg, self._on_objective_list, self._on_objective, state)
 
     def _on_objective_list(self, items: list[Obj]) -> None:
         assert self.objectives is not None and self.pool_name is not None, "objectives not attached"
+        self.objective_crd = True
         found = {_name(o): objective_priority(o, self.pool_name) for o in items}
         self.objectives.replace({k: v for k, v in found.items() if v is not None})
         log.info("InferenceObjectives for pool %s: %s", self.pool_name, dict(self.objectives.from_crd))
