@@ -319,6 +319,13 @@ class Router:
         self.calibrator.observe(state)
         self.accounting.reconcile(state)
 
+    def on_unreachable(self, state: EndpointState) -> None:
+        """``state`` stopped answering its scrapes: it may come back restarted, with an empty
+        cache, so our own record of what it holds (the approximate index) is dropped. Its precise
+        entries are the KV-event subscribers' to drop (:meth:`Subscribers.suspect`)."""
+        self.index.remove(state.key)
+        self.refresh_capacity(state)
+
     def refresh_capacity(self, state: EndpointState) -> None:
         """Size the endpoint's LRU from its ``vllm:cache_config_info`` (KV blocks × block tokens),
         clamped to [``segments``, ``max_derived_capacity_blocks``]."""

@@ -116,8 +116,10 @@ class PickerServer:
 
     def _on_scrape_error(self, state: EndpointState, reason: str) -> None:
         self.telemetry.scrape_errors.labels(state.key, reason).inc()
-        if self._subs is not None and state.health is Health.UNREACHABLE:
-            self._subs.suspect(state.key)
+        if state.health is Health.UNREACHABLE:
+            self.router.on_unreachable(state)
+            if self._subs is not None:
+                self._subs.suspect(state.key)
 
     async def _set_health(self, ready: bool) -> None:
         status = SERVING if ready else NOT_SERVING

@@ -157,6 +157,22 @@ def test_pool_removal_drops_index_entries() -> None:
     assert router.index.size("127.0.0.1:8002") > 0
 
 
+def test_an_unreachable_endpoint_loses_its_approximate_entries_only() -> None:
+    """It may come back restarted with an empty cache: our record of its prefixes goes, the
+    other endpoint's stays, and its derived capacity is kept for when it returns."""
+    router, pool, _ = make(2, policy="round-robin")
+    for i in range(4):
+        router.finish(router.start(router.route(req(f"doc {i} " * 100))))
+    down, up = sorted(pool, key=lambda s: s.key)
+    down.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=1000)
+    router.refresh_capacity(down)
+    assert router.index.size(down.key) > 0 and router.index.size(up.key) > 0
+    kept = router.index.size(up.key)
+    router.on_unreachable(down)
+    assert router.index.size(down.key) == 0 and router.index.size(up.key) == kept
+    assert router.index._lrus[down.key].capacity == 1000
+
+
 def test_refresh_capacity_from_cache_config() -> None:
     router, pool, _ = make(1)
     state = next(iter(pool))
