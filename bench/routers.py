@@ -65,7 +65,9 @@ def wait_routable(url: str, model: str, children: Procs, timeout: float = 60.0) 
     while time.monotonic() < deadline:
         children.check()
         with contextlib.suppress(OSError):
-            status, last, _ = http("POST", url + "/v1/completions", body)
+            status, last, _ = http(
+                "POST", url + "/v1/completions", body, {"content-type": "application/json"}
+            )
             if status == 200:
                 return
         time.sleep(0.2)
