@@ -3,6 +3,7 @@ in precise mode, sharing picks and in-flight load over the peer channel, in fron
 replicas that publish KV events (each on its own loopback address, one port, as pods).
 
     python -m bench.pickers --pickers 1,2,3 --repeats 3            # the scaling table
+    python -m bench.pickers --workload mooncake --repeats 3        # the same on the Mooncake trace
     python -m bench.pickers --failover --repeats 3                 # SIGKILL 1 of 3 under load
 
 Scaling: a shared-prefix workload (text prompts; the pickers have no tokenizer, so each new
@@ -44,7 +45,7 @@ from kvlaunch import ENVOY, PY, ROOT, Procs, free_port, http, wait_port
 from .datapath import cpu_seconds
 from .loadgen import LoadConfig, run
 from .stats import summarize
-from .workloads import shared_prefix
+from .workloads import mooncake, shared_prefix
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 RESULTS = ROOT / "bench" / "results"
@@ -164,7 +165,14 @@ class Case:
 
 
 def scaling_case(procs: Procs, fleet: Fleet, n: int, repeat: int, a: argparse.Namespace) -> Case:
-    w = shared_prefix(a.groups, a.per_group, a.prefix_tokens, a.question_tokens, a.output_tokens, seed=repeat)
+    if a.workload == "mooncake":
+        w = mooncake(a.trace, a.limit, a.max_input_tokens)
+        load = LoadConfig(mode="trace", time_scale=a.time_scale, model=MODEL, progress=False)
+    else:
+        w = shared_prefix(
+            a.groups, a.per_group, a.prefix_tokens, a.question_tokens, a.output_tokens, seed=repeat
+        )
+        load = LoadConfig(mode="poisson", rate=a.rate, model=MODEL, seed=repeat, progress=False)
     with pickers_running(procs, n, fleet, f"{n}-{repeat}") as pk:
         fleet.reset()
         time.sleep(1.0)
@@ -172,8 +180,7 @@ def scaling_case(procs: Procs, fleet: Fleet, n: int, repeat: int, a: argparse.Na
         time.sleep(a.idle_s)
         idle_rate = (pk.cpu() - idle0) / (time.monotonic() - t0)
         cpu0 = pk.cpu()
-        cfg = LoadConfig(mode="poisson", rate=a.rate, model=MODEL, seed=repeat, progress=False)
-        outcomes, wall = asyncio.run(run([pk.url], w, cfg))
+        outcomes, wall = asyncio.run(run([pk.url], w, load))
         cpu = pk.cpu() - cpu0
     s = summarize(outcomes, wall)
     per = 1000 / max(1, s.requests)
@@ -305,6 +312,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per replica (0: the profile's)")
+    p.add_argument("--workload", choices=["shared-prefix", "mooncake"], default="shared-prefix")
+    p.add_argument("--trace", default=str(ROOT.parent / "shared/workloads/mooncake_synthetic_trace.jsonl"))
+    p.add_argument("--limit", type=int, default=300, help="mooncake: the trace's first N rows")
+    p.add_argument("--max-input-tokens", type=int, default=4096, help="mooncake: rows cut to this")
+    p.add_argument("--time-scale", type=float, default=0.2, help="mooncake: arrival times multiplied by this")
     p.add_argument("--rate", type=float, default=30.0, help="requests per second (scaling)")
     p.add_argument("--idle-s", type=float, default=3.0, help="seconds of idle CPU measured before each case")
     p.add_argument("--groups", type=int, default=16)
