@@ -71,8 +71,13 @@ def http(
     headers: dict[str, str] | None = None,
     timeout: float = 30.0,
 ) -> tuple[int, bytes, dict[str, str]]:
-    """One request; an HTTP error status is returned, not raised. (status, body, headers)."""
-    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    """One request; an HTTP error status is returned, not raised. (status, body, headers). A body
+    goes as JSON unless ``headers`` name another content type (every server here speaks JSON, and
+    vLLM and the peer routers refuse a body without one)."""
+    hdrs = dict(headers or {})
+    if body is not None and not any(k.lower() == "content-type" for k in hdrs):
+        hdrs["content-type"] = "application/json"
+    req = urllib.request.Request(url, data=body, method=method, headers=hdrs)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read(), dict(resp.headers)
