@@ -130,6 +130,20 @@ def test_speculative_entries_expire_and_refresh() -> None:
     idx.check()
 
 
+def test_a_restart_forgets_speculative_entries_and_a_clear_keeps_them() -> None:
+    """A restarted engine lost the requests picked for it (forget); a cleared cache or a gap does
+    not lose the requests in flight, which will store their blocks again (clear)."""
+    idx = PreciseIndex(spec_ttl_s=2.0)
+    keys = request_keys(list(range(3 * BS)), BS)
+    for key in ("a", "b"):
+        idx.speculate(key, keys, now=10.0)
+    idx.clear("a")
+    assert idx.match_many(["a"], keys, 10.5) == {"a": 3}
+    idx.forget("a")
+    assert idx.match_many(["a", "b"], keys, 10.5) == {"a": 0, "b": 3}
+    idx.check()
+
+
 def test_speculative_entries_are_bounded() -> None:
     idx = PreciseIndex(max_speculative=10)
     for i in range(20):

@@ -193,7 +193,7 @@ class Subscriber:
                 seq,
                 sy.expected - 1,
             )
-            self.index.clear(self.key)
+            self.index.forget(self.key)
             sy.expected, sy.state = 0, State.SYNCED
         if sy.expected is None:
             sy.expected = 0

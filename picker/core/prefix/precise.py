@@ -18,7 +18,8 @@ State, one writer each:
 - ``_mask``: our key → bitmask of slots holding it, and ``_dup`` (keys carried by more than one
   engine hash): derived from ``_held``, same writer.
 - ``_spec_mask`` / ``_spec_until``: speculative entries, written by :meth:`speculate` (the router,
-  at pick time) and expired lazily by :meth:`match`.
+  at pick time) and expired lazily by :meth:`match`; :meth:`forget` (an endpoint restarted) and
+  :meth:`remove` (it left the pool) drop an endpoint's all at once.
 
 Invariants (``check``): bit ``s`` of ``_mask[k]`` is set iff some entry of ``_held[s]`` maps to
 ``k``; an endpoint never holds more than ``max_blocks`` engine hashes (past that it is dropped as
@@ -129,6 +130,15 @@ class PreciseIndex:
         self._drop_speculative(s)
         del self._slots[key], self._held[s], self._copies[s], self._dup[s], self._spec_until[s]
         self._free_slots.append(s)
+
+    def forget(self, key: str) -> None:
+        """``key`` restarted: its cache is empty, and the requests picked for it before (the
+        speculative entries) died with the old engine. Drop both."""
+        s = self._slots.get(key)
+        if s is None:
+            return
+        self.clear(key)
+        self._drop_speculative(s)
 
     def clear(self, key: str) -> None:
         """Drop every confirmed entry of ``key`` (AllBlocksCleared, a restart, a gap)."""

@@ -77,7 +77,7 @@ class Subscribers:
         sync = self.syncs.get(key)
         if sync is None or (sync.state is State.WAITING and sync.expected is None):
             return
-        self.index.clear(key)
+        self.index.forget(key)
         sync.state, sync.expected = State.WAITING, None
 
     def remove(self, state: EndpointState) -> None:
