@@ -181,7 +181,11 @@ def _assert_gone(groups: dict[int, int]) -> None:
 
 
 def _stack_args(replicas: int) -> tuple[dict[str, int], int, list[str]]:
-    ports = {k: free_port() for k in ("port", "picker-port", "metrics-port", "admin-port")}
+    ports = {k: free_port() for k in ("port", "admin-port")}
+    for k in ("picker-port", "metrics-port"):  # the stack also binds port + 1 (gRPC health, debug API)
+        ports[k] = free_port()
+        while not _closed(ports[k] + 1) or ports[k] + 1 in ports.values():
+            ports[k] = free_port()
     base = free_port()
     while not all(_closed(base + i) for i in range(1, replicas)):
         base = free_port()
@@ -219,7 +223,8 @@ def test_make_run_serves_through_envoy_and_stops_cleanly() -> None:
             time.sleep(0.3)
         assert res[1]["usage"]["completion_tokens"] == 2
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals make's whole group
+        with contextlib.suppress(ProcessLookupError):  # gone already when startup failed
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals make's whole group
         out, _ = proc.communicate(timeout=30)
     text = (head + out).decode()
     # Ctrl-C reaches make too, which then reports the interrupt itself; the stack must have stopped.
