@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -33,12 +34,56 @@ class Stopper(Protocol):
     def check(self) -> None: ...
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports this process's :func:`free_port` gave out (never given twice: a child may not have bound it yet)."""
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the kernel's choice; another process may still take it)."""
+    """A port that is free now, as is port + 1 (the stack binds gRPC health and the debug API
+    there), chosen below the kernel's ephemeral range.
+
+    Why not the kernel's choice (bind to 0): that port comes from the ephemeral range, which every
+    outgoing connection draws its local port from, so between this call and the child's bind an
+    Envoy upstream connection or a test client could take it (CI hit ``EADDRINUSE`` that way).
+    Ports below the range are only ever taken by an explicit bind. Never returns the same port
+    twice in one process. Another process choosing the same port at random is still possible,
+    and rare (1 in ~20k per pair)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
+    lo = _ephemeral_range()[0]
+    first = 10000 if lo > 12000 else 1024
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(first, lo - 1)
+        if port in _HANDED_OUT or port + 1 in _HANDED_OUT or not _bindable(family, host, port, port + 1):
+            continue
+        _HANDED_OUT.update((port, port + 1))
+        return port
+    with socket.socket(family) as s:  # a crowded machine: fall back to the kernel's choice
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _bindable(family: int, host: str, *ports: int) -> bool:
+    socks = []
+    try:
+        for port in ports:
+            s = socket.socket(family)
+            socks.append(s)
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in socks:
+            s.close()
 
 
 def wait_port(
