@@ -145,20 +145,20 @@ def test_cpu_test_profile_predicts_vllm_cpu_prefill_and_decode_within_25_percent
     p = profile("cpu-test")
     predicted = {f"prefill_{n}": p.step_time([(n, 0)]) for n in (512, 1024, 1536)}
     predicted["itl"] = p.step_time([(1, 100)])
-    # Other load on the machine slows the real engine unevenly, so a noisy measurement is taken
-    # again (up to 3 rounds) and the round closest to the model is judged.
-    rounds = []
-    for r in range(3):
+    # Other load on the machine only ever slows the real engine, and unevenly: each time is taken
+    # as its fastest over the rounds so far (up to 5), judged after each round.
+    best: dict[str, float] = {}
+    for r in range(5):
         measured = _engine_times(vllm_url, model, r)
-        scale, off = _fit(predicted, measured)
-        rounds.append((max(abs(v) for v in off.values()), scale, off, measured))
-        print(f"cpu-test vs vLLM-CPU: measured {measured}, predicted {predicted}, speed factor {scale:.2f}")
-        if rounds[-1][0] <= 0.25 and SCALE_BOUNDS[0] <= scale <= SCALE_BOUNDS[1]:
+        best = {k: min(v, best.get(k, v)) for k, v in measured.items()}
+        scale, off = _fit(predicted, best)
+        worst = max(abs(v) for v in off.values())
+        print(
+            f"cpu-test vs vLLM-CPU: round {r} {measured}, fastest {best}, predicted {predicted}, factor {scale:.2f}"
+        )
+        if worst <= 0.25 and SCALE_BOUNDS[0] <= scale <= SCALE_BOUNDS[1]:
             break
-    worst, scale, off, measured = min(rounds, key=lambda r: r[0])
-    detail = (
-        f"speed factor {scale:.2f}, errors after it {off}; measured {measured} (best of {len(rounds)} rounds)"
-    )
+    detail = f"speed factor {scale:.2f}, errors after it {off}; fastest of {r + 1} rounds {best}"
     assert worst <= 0.25, detail
     assert SCALE_BOUNDS[0] <= scale <= SCALE_BOUNDS[1], detail
 
