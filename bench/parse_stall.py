@@ -5,7 +5,7 @@ A real picker process (plaintext ext_proc, 4 static endpoints) serves two gRPC c
 - a prober (this process) sends small completions requests one after another through the
   ext_proc protocol (headers, one body chunk with end-of-stream) and times each answer;
 - a sender (a separate process) sends large bodies (an 8 MiB chat request carrying a base64 image,
-  or an 8 MiB text prompt) in 64 KiB chunks, as Envoy would, one every ``--gap`` seconds.
+  or an 8 MiB text prompt) in 1 MiB chunks as Envoy sends them (``--chunk-kib``), one every ``--gap`` seconds.
 
 The stall is how much longer a probe took than the baseline median while a large body was being
 parsed: we report the worst probe latency and the p99 during the large-body run, against the
@@ -37,7 +37,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from kvlaunch import Procs, Stack, free_port
 
-CHUNK = 64 * 1024
+CHUNK = 1024 * 1024
+"""Full-duplex body chunk: what Envoy sent the picker under the shipped config (its listener's
+buffer limit is ``--stream-bodies-over`` + 64 KiB): 9 messages for an 8 MiB body."""
 
 
 def _headers(path: str = "/v1/chat/completions") -> pb.HttpHeaders:
@@ -53,21 +55,23 @@ MODES = {
     "full-duplex": processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED,
 }
 """Request body modes, as Envoy announces them in ``protocol_config``: BUFFERED (the shipped
-configs' default) sends the body as one message; FULL_DUPLEX_STREAMED in 64 KiB chunks."""
+configs' default) sends the body as one message; FULL_DUPLEX_STREAMED (what the shipped configs use for bodies over 1 MiB) in ``--chunk-kib`` chunks."""
 PICKED = {"buffered": "request_body", "full-duplex": "request_headers"}
 """The response that carries the pick, per mode."""
 
 
-def _messages(body: bytes, path: str, mode: str = "full-duplex") -> Iterator[pb.ProcessingRequest]:
+def _messages(
+    body: bytes, path: str, mode: str = "full-duplex", chunk: int = CHUNK
+) -> Iterator[pb.ProcessingRequest]:
     cfg = pb.ProtocolConfiguration(request_body_mode=MODES[mode])
     yield pb.ProcessingRequest(request_headers=_headers(path), protocol_config=cfg)
     if mode == "buffered":
         yield pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
         return
-    for start in range(0, len(body), CHUNK):
-        last = start + CHUNK >= len(body)
+    for start in range(0, len(body), chunk):
+        last = start + chunk >= len(body)
         yield pb.ProcessingRequest(
-            request_body=pb.HttpBody(body=body[start : start + CHUNK], end_of_stream=last)
+            request_body=pb.HttpBody(body=body[start : start + chunk], end_of_stream=last)
         )
 
 
@@ -88,7 +92,9 @@ def big_body(kind: str, size: int) -> tuple[bytes, str]:
     return orjson.dumps({"model": "m", "prompt": words}), "/v1/completions"
 
 
-def _send_big(port: int, kind: str, size: int, count: int, gap: float, ready: object, mode: str) -> None:
+def _send_big(
+    port: int, kind: str, size: int, count: int, gap: float, ready: object, mode: str, chunk: int
+) -> None:
     """The sender process: ``count`` large bodies, one every ``gap`` seconds."""
     body, path = big_body(kind, size)
     opts = [("grpc.max_send_message_length", 2 * size)]
@@ -97,7 +103,7 @@ def _send_big(port: int, kind: str, size: int, count: int, gap: float, ready: ob
         ready.set()  # type: ignore[attr-defined]
         for _ in range(count):
             time.sleep(gap)
-            for resp in stub.Process(_messages(body, path, mode), timeout=60):
+            for resp in stub.Process(_messages(body, path, mode, chunk), timeout=60):
                 got = resp.WhichOneof("response")
                 assert got != "immediate_response", f"the large body was not routed: {resp}"
                 if got == PICKED[mode] and resp.HasField("dynamic_metadata"):
@@ -146,11 +152,13 @@ def start_picker(offload_bytes: int, procs: Procs) -> int:
     return st.grpc_port
 
 
-def run_once(port: int, kind: str, size: int, count: int, gap: float, mode: str) -> dict[str, float]:
+def run_once(
+    port: int, kind: str, size: int, count: int, gap: float, mode: str, chunk: int = CHUNK
+) -> dict[str, float]:
     base = asyncio.run(_probe_for(port, 2.0))
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()
-    sender = ctx.Process(target=_send_big, args=(port, kind, size, count, gap, ready, mode))
+    sender = ctx.Process(target=_send_big, args=(port, kind, size, count, gap, ready, mode, chunk))
     sender.start()
     ready.wait(30)
     loaded = asyncio.run(_probe_for(port, count * gap + 1.5))
@@ -174,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap", type=float, default=0.6, help="seconds between large bodies")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--modes", default="buffered,full-duplex", help=f"request body modes: {','.join(MODES)}")
+    p.add_argument("--chunk-kib", type=int, default=CHUNK // 1024, help="full-duplex body chunk size")
     a = p.parse_args(argv)
     size = int(a.size_mib * 1024 * 1024)
     rows = []
@@ -185,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs: dict[str, list[dict[str, float]]] = {n: [] for n in pickers}
                 for _ in range(a.repeats):
                     for name, port in pickers.items():  # side by side, interleaved
-                        runs[name].append(run_once(port, kind, size, a.bodies, a.gap, mode))
+                        runs[name].append(
+                            run_once(port, kind, size, a.bodies, a.gap, mode, a.chunk_kib * 1024)
+                        )
                 for name, rs in runs.items():
                     rows.append((mode, kind, name, rs))
         finally:

@@ -92,6 +92,8 @@ def _without_response_headers(request_body_mode: int) -> processing_mode_pb2.Pro
     )
 
 
+EMPTY_LAST_CHUNK = pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True))
+"""What :meth:`ExtProcService._offload` passes on once it has buffered a body's last chunk itself."""
 SKIP_RESPONSE = {mode: _without_response_headers(mode) for mode in (FULL_DUPLEX, BUFFERED, NO_BODY)}
 """Built once: ``mode_override`` per request body mode."""
 
@@ -243,16 +245,17 @@ class Exchange:
             resp.mode_override.CopyFrom(mode)
         return resp
 
-    def absorb(self, msg: pb.HttpBody) -> None:
-        """Buffer a request body chunk (413 past ``max_body``)."""
-        if msg.body:
-            self.size += len(msg.body)
+    def absorb(self, body: bytes) -> None:
+        """Buffer a request body chunk (413 past ``max_body``). Takes the bytes, not the message:
+        each read of ``HttpBody.body`` copies the whole chunk into a new ``bytes``."""
+        if body:
+            self.size += len(body)
             if self.size > self.max_body:
                 raise BodyTooLarge(f"request body exceeds {self.max_body} bytes")
-            self.chunks.append(msg.body)
+            self.chunks.append(body)
 
     def on_request_body(self, msg: pb.HttpBody) -> Iterable[pb.ProcessingResponse]:
-        self.absorb(msg)
+        self.absorb(msg.body)
         if not msg.end_of_stream:
             if self.request_mode == FULL_DUPLEX or self.request_mode == BUFFERED:
                 return []
@@ -407,22 +410,26 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """Pre-bound counter children: one ``inc`` per message, no label lookup."""
 
     async def _offload(self, ex: Exchange, msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
-        """A body's last chunk, when work must leave the event loop: a large body is parsed in
-        the worker process; with a tokenizer (precise mode) the prompt is tokenized in a thread
+        """A body's last chunk is buffered here (its one copy out of the message: the last chunk
+        of a BUFFERED body is the whole body) and the exchange finishes on an empty end-of-stream
+        chunk. Before that, work that must leave the event loop is done: a large body is parsed
+        in the worker process; with a tokenizer (precise mode) the prompt is tokenized in a thread
         (HF ``tokenizers`` releases the GIL), or, with none, by a replica's ``/tokenize`` (awaited,
-        bounded). The chunk is buffered and the exchange finishes on an empty end-of-stream
-        chunk. Other messages pass unchanged."""
+        bounded). Other messages pass unchanged."""
         if msg.WhichOneof("request") != "request_body" or ex.picked:
             return msg
         chunk = msg.request_body
-        size = ex.size + len(chunk.body)
+        if not chunk.end_of_stream:
+            return msg
+        body = chunk.body  # one copy out of the message; the last chunk may be the whole body
+        size = ex.size + len(body)
         offload = self.parser is not None and self.parser.offloads(size)
         tokenize = (
             self.router.tokenizer is not None or self.router.remote_tokenizer is not None
         ) and size > 0
-        if not chunk.end_of_stream or not (offload or tokenize):
-            return msg
-        ex.absorb(chunk)
+        ex.absorb(body)
+        if not (offload or tokenize):
+            return EMPTY_LAST_CHUNK
         path = ex.headers.get(":path", "")
         if offload:
             assert self.parser is not None, "offload without a parser"
@@ -437,7 +444,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             else:
                 req = await self.router.tokenize_remote(req, doc, path, ex.subset)
             ex.parsed = (req, new_body, doc)
-        return pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True))
+        return EMPTY_LAST_CHUNK
 
     async def Process(
         self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
