@@ -24,7 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from . import checks, faults, fuzz, report, soak
@@ -103,12 +103,35 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_soak(minutes: float, fraction: float, index_capacity: int) -> dict[str, Any]:
+def run_soak(
+    minutes: float,
+    fraction: float,
+    index_capacity: int,
+    picker_env: Sequence[str] = (),
+    picker_args: str = "",
+    envoy_args: str = "",
+) -> dict[str, Any]:
+    env = dict(kv.split("=", 1) for kv in picker_env)
     with tempfile.TemporaryDirectory() as tmp:
-        got = asyncio.run(soak.soak(pathlib.Path(tmp), minutes, fraction, index_capacity=index_capacity))
+        got = asyncio.run(
+            soak.soak(
+                pathlib.Path(tmp),
+                minutes,
+                fraction,
+                index_capacity=index_capacity,
+                picker_env=env or None,
+                picker_args=tuple(picker_args.split()),
+                envoy_args=tuple(envoy_args.split()),
+            )
+        )
     got["command"] = f"python -m bench.reliability soak --minutes {minutes:g} --load-fraction {fraction:g}"
     if index_capacity:
         got["command"] += f" --index-capacity {index_capacity}"
+    for kv in picker_env:
+        got["command"] += f" --picker-env {kv}"
+    for flag, value in (("--picker-args", picker_args), ("--envoy-args", envoy_args)):
+        if value:
+            got["command"] += f" {flag}='{value}'"
     return got
 
 
@@ -130,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="soak: the picker's per-endpoint prefix index bound (0: derived from the replicas)",
     )
+    p.add_argument("--picker-env", action="append", default=[], help="soak: KEY=VALUE for the picker")
+    p.add_argument("--picker-args", default="", help="soak: extra picker flags (one string)")
+    p.add_argument("--envoy-args", default="", help="soak: extra render.py flags (one string)")
+    p.add_argument("--label", default="", help="soak: store the figures under soak_<label>")
     a = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -142,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         _save(results)
     if a.what in ("soak", "all"):
         key = f"soak_index_{a.index_capacity}" if a.index_capacity else "soak"
-        results[key] = run_soak(a.minutes, a.load_fraction, a.index_capacity) | {"machine": machine}
+        key = f"soak_{a.label}" if a.label else key
+        results[key] = run_soak(
+            a.minutes, a.load_fraction, a.index_capacity, a.picker_env, a.picker_args, a.envoy_args
+        ) | {"machine": machine}
         _save(results)
     _save(results)
     return 0

@@ -112,22 +112,28 @@ async def soak(
     calibrate_s: float = 30.0,
     warmup_s: float = 60.0,
     index_capacity: int = 0,
+    picker_env: dict[str, str] | None = None,
+    picker_args: tuple[str, ...] = (),
+    envoy_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """``index_capacity`` > 0: the picker's per-endpoint index bound, not derived from the
-    replicas (a small bound fills in seconds: what is left of the growth is not the index)."""
+    replicas (a small bound fills in seconds: what is left of the growth is not the index).
+    ``picker_env``, ``picker_args`` and ``envoy_args`` vary the picker's environment (e.g. an
+    ``LD_PRELOAD``ed allocator), its flags and render.py's, to find where memory goes by
+    switching one thing off at a time."""
     st = Stack(Procs(tmp), [free_port(), free_port()])
     try:
         for i, port in enumerate(st.upstreams):
             args = [PY, "-m", "replica.sim", "--port", str(port), "--model", MODEL]
             proc = st.procs.start(f"sim{i}", [*args, "--profile", "h100-llama-3.1-8b"])
             await asyncio.to_thread(wait_port, port, 60.0, proc=proc)
-        picker_args: list[str] = []
+        args = list(picker_args)
         if index_capacity:
             cfg = tmp / "picker.yaml"
             cfg.write_text(f"index: {{capacity_blocks: {index_capacity}, derive_capacity: false}}\n")
-            picker_args = ["--config-file", str(cfg)]
-        await asyncio.to_thread(st.start_picker, *picker_args)
-        await asyncio.to_thread(st.start_envoy)
+            args += ["--config-file", str(cfg)]
+        await asyncio.to_thread(lambda: st.start_picker(*args, env=picker_env))
+        await asyncio.to_thread(st.start_envoy, *envoy_args)
         picker = next(p for n, p in st.procs.procs if n == "picker")
         cap = await capacity(st.url, min(calibrate_s, 10 + minutes * 60 / 10))
         rate = cap * load_fraction
