@@ -9,6 +9,10 @@ arrivals scaled (``time_scale``) to put the fleet near 80% of its capacity, and 
 config for every fleet (no per-profile tuning: the load model calibrates itself from the
 simulated replicas' vLLM metrics). Then one overloaded fleet. Cluster mode is deterministic
 for a seed; each cell is one run (seed 0), and its figures are simulated time, not wall time.
+
+``cost`` runs the way the chart ships it, ``precise`` (the replicas' KV events, delivered
+:data:`EVENT_DELAY_S` after the engine stores or evicts a block), and beside it ``approximate``
+(the picker's own record of its picks): the variant for a deployment without KV events.
 """
 
 from __future__ import annotations
@@ -45,17 +49,24 @@ FLEETS = (
 OVERLOADED = Fleet(
     "overloaded: 8 × A100, Llama-3.1-70B at the trace's own rate", ("a100-llama-3.1-70b",), 1.0, 1500
 )
-POLICIES = ("cost", "round-robin")
+POLICIES = (("cost", "precise"), ("cost", "approximate"), ("round-robin", "approximate"))
+"""(policy, prefix mode); round-robin ignores prefixes, so its mode does not matter."""
+BASELINE = "round-robin"
+EVENT_DELAY_S = 0.05
+"""KV-event delivery delay in precise mode (cluster mode's default)."""
 
 
 def run(fleet: Fleet, rows: list[trace.Row]) -> dict[str, Result]:
     profs = [profile(p) for p in fleet.profiles]
     rows = rows[: fleet.limit] if fleet.limit else rows
     out = {}
-    for pol in POLICIES:
-        out[pol] = r = simulate(rows, 8, pol, profs, fleet.time_scale)
+    for pol, mode in POLICIES:
+        label = pol if pol == BASELINE else f"{pol} {mode}"
+        out[label] = r = simulate(
+            rows, 8, pol, profs, fleet.time_scale, prefix_mode=mode, event_delay_s=EVENT_DELAY_S
+        )
         print(
-            f"[hardware] {fleet.name:<40} {pol:<12} hit {r.hit_rate:.3f} (LRU {r.lru_hit_rate:.3f}) "
+            f"[hardware] {fleet.name:<40} {label:<18} hit {r.hit_rate:.3f} (LRU {r.lru_hit_rate:.3f}) "
             f"TTFT p50 {r.ttft_p50:.3f} p90 {r.ttft_p90:.3f} errors {r.errors}",
             flush=True,
         )
@@ -69,7 +80,7 @@ def table(results: list[tuple[Fleet, dict[str, Result]]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for fleet, res in results:
-        rr = res["round-robin"]
+        rr = res[BASELINE]
         for pol, r in res.items():
             ratio = r.ttft_p90 / rr.ttft_p90 if rr.ttft_p90 else float("nan")
             lines.append(
