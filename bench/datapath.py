@@ -158,14 +158,17 @@ class Target:
     envoy_pid: int | None = None
 
 
-def _kvpick(name: str, variant: tuple[list[str], list[str]], ports: list[int], procs: Procs) -> Target:
-    """Our picker behind Envoy (the shared launcher), its processes logged under ``name/``."""
-    render_args, picker_args = variant
+def _kvpick(name: str, variant: Variant, ports: list[int], procs: Procs) -> Target:
+    """Our picker behind Envoy (the shared launcher), its processes logged under ``name/``; from
+    another source tree where the variant names one (``PYTHONSAFEPATH`` keeps this checkout, the
+    working directory, off the path, so ``PYTHONPATH`` decides which ``picker`` is imported)."""
+    render_args, picker_args, source = variant
+    env = {"PYTHONSAFEPATH": "1", "PYTHONPATH": source} if source else None
     d = procs.run_dir / name
     d.mkdir(exist_ok=True)
     st = Stack(Procs(d), ports)
     try:
-        picker = st.start_picker("--log-level", "warning", *picker_args, debug=False)
+        picker = st.start_picker("--log-level", "warning", *picker_args, debug=False, env=env)
         envoy = st.start_envoy(*render_args)
     finally:
         procs.procs += [
@@ -203,7 +206,7 @@ def check_answer(name: str, t: Target, case: Case) -> None:
 
 @contextmanager
 def stack(
-    routers: list[str], variants: dict[str, tuple[list[str], list[str]]], run_dir: pathlib.Path
+    routers: list[str], variants: dict[str, Variant], run_dir: pathlib.Path
 ) -> Iterator[dict[str, Target]]:
     children = Procs(run_dir)
     try:
@@ -220,7 +223,7 @@ def stack(
                 url, proc = start_peer(name, [f"http://{u}" for u in ups], children)
                 targets[name] = Target(url, proc.pid)
             else:
-                targets[name] = _kvpick(name, variants.get(name, ([], [])), ports, children)
+                targets[name] = _kvpick(name, variants.get(name, ([], [], "")), ports, children)
         for t in targets.values():
             _wait_routable(t, children)
         yield targets
@@ -321,9 +324,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--variant",
         action="append",
         default=[],
-        metavar="NAME=RENDER_FLAGS[|PICKER_FLAGS]",
+        metavar="NAME=RENDER_FLAGS[|PICKER_FLAGS[|PICKER_SOURCE]]",
         help="an extra kvpick router NAME with these render.py (and picker) flags, e.g. "
-        "plain='--plaintext | --secure-serving false' (then list NAME in --routers)",
+        "plain='--plaintext | --secure-serving false' (then list NAME in --routers); PICKER_SOURCE, "
+        "a directory holding another revision's picker/ (`git archive REV | tar -x -C DIR`), runs "
+        "that picker instead of this checkout's, side by side",
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--idle", type=float, default=5.0, help="seconds of no traffic to measure idle CPU")
@@ -336,9 +341,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _variant(flags: str) -> tuple[list[str], list[str]]:
-    render, _, picker = flags.partition("|")
-    return shlex.split(render), shlex.split(picker)
+Variant = tuple[list[str], list[str], str]
+"""render.py flags, picker flags, and the picker's source tree ("" for this checkout)."""
+
+
+def _variant(flags: str) -> Variant:
+    render, _, rest = flags.partition("|")
+    picker, _, source = rest.partition("|")
+    source = source.strip()
+    assert not source or (pathlib.Path(source) / "picker" / "__main__.py").is_file(), (
+        f"{source!r} holds no picker/ (make it with `git archive REV | tar -x -C DIR`)"
+    )
+    return shlex.split(render), shlex.split(picker), source
 
 
 def main(argv: list[str] | None = None) -> int:

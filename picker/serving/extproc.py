@@ -31,7 +31,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -99,6 +99,23 @@ EMPTY_LAST_CHUNK = pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=T
 """What :meth:`ExtProcService._offload` passes on once it has buffered a body's last chunk itself."""
 SKIP_RESPONSE = {mode: _without_response_headers(mode) for mode in (FULL_DUPLEX, BUFFERED, NO_BODY)}
 """Built once: ``mode_override`` per request body mode."""
+
+
+def _headers_ack(skip_mode: processing_mode_pb2.ProcessingMode | None) -> pb.ProcessingResponse:
+    resp = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+    if skip_mode is not None:
+        resp.mode_override.CopyFrom(skip_mode)
+    return resp
+
+
+HEADERS_ACK = {False: _headers_ack(None), True: _headers_ack(SKIP_RESPONSE[BUFFERED])}
+"""Built once, never modified (sent as they are, by many streams): the BUFFERED answer to the
+request headers, which changes nothing, keyed by whether it skips the response path."""
+BODY_ACK = pb.ProcessingResponse(request_body=pb.BodyResponse())
+TRAILERS_ACK = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+RESPONSE_HEADERS_ACK = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+RESPONSE_BODY_ACK = pb.ProcessingResponse(response_body=pb.BodyResponse())
+RESPONSE_TRAILERS_ACK = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -238,7 +255,7 @@ class Exchange:
             return [self._override(self._headers_response(body_len=None))]
         if self.request_mode == FULL_DUPLEX:
             return []  # answered once the body's end-of-stream arrives
-        return [self._override(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))]
+        return [HEADERS_ACK[self.skip_response_headers and self.request_mode == BUFFERED]]
 
     def _override(self, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
         """``resp`` (the request-headers response: Envoy honours a mode override only there),
@@ -262,12 +279,12 @@ class Exchange:
         if not msg.end_of_stream:
             if self.request_mode == FULL_DUPLEX or self.request_mode == BUFFERED:
                 return []
-            return [pb.ProcessingResponse(request_body=pb.BodyResponse())]  # STREAMED: ack each chunk
+            return [BODY_ACK]  # STREAMED: ack each chunk
         return self._finish_request_body()
 
     def on_request_trailers(self) -> Iterable[pb.ProcessingResponse]:
         out = () if self.picked else self._finish_request_body(eos=False)
-        return itertools.chain(out, (pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),))
+        return itertools.chain(out, (TRAILERS_ACK,))
 
     def _finish_request_body(self, eos: bool = True) -> Iterable[pb.ProcessingResponse]:
         """Pick, then answer: full duplex, the headers response and the body streamed back
@@ -360,7 +377,7 @@ class Exchange:
         self.decision_label = f"{self.decision_label}:{status[:1]}xx" if status else self.decision_label
         if msg.end_of_stream:
             self.close()
-        return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
+        return [RESPONSE_HEADERS_ACK]
 
     def on_response_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.ticket is not None:
@@ -371,11 +388,11 @@ class Exchange:
             streamed = pb.StreamedBodyResponse(body=msg.body, end_of_stream=msg.end_of_stream)
             common = pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
             return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))]
-        return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+        return [RESPONSE_BODY_ACK]
 
     def on_response_trailers(self) -> list[pb.ProcessingResponse]:
         self.close()
-        return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        return [RESPONSE_TRAILERS_ACK]
 
     def close(self, outcome: str = "ok") -> None:
         """End accounting (idempotent): end of stream, error, reset or client disconnect."""
@@ -408,7 +425,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """Cap on concurrent ext_proc streams (0: none). Counted here, not by the gRPC server,
         so health checks and Explain calls on the same port never take a stream's slot."""
         self.open_streams = 0
-        """Ext_proc streams in progress; written only by :meth:`Process`."""
+        """Ext_proc streams in progress; written only by :meth:`exchange`."""
         self._counted = {k: telemetry.extproc_messages.labels(k) for k in MESSAGE_KINDS} if telemetry else {}
         """Pre-bound counter children: one ``inc`` per message, no label lookup."""
 
@@ -449,11 +466,45 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             ex.parsed = (req, new_body, doc)
         return EMPTY_LAST_CHUNK
 
-    async def Process(
-        self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ProcessingResponse]:
+    async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        """The gRPC handler, as a coroutine on grpc.aio's reader/writer API: each message is one
+        ``context.read()`` and each answer one ``context.write()``. (An async-generator handler
+        costs two more async-generator steps per message: grpc.aio's request iterator wraps
+        ``read()`` in one and drains the handler's with another.)"""
+        await self.exchange(context.read, context.write, context)
+        # Envoy half-closes the stream and then resets it. Returning now would send the status
+        # on a call about to be reset, and grpcio's aio server leaks that failed batch's op array
+        # (about 80 bytes per stream; grpc/grpc#43360, unfixed in 1.85): the soak's RSS grew by
+        # that per request. Waiting for the reset (a CancelledError here) sends no status at all;
+        # a client that waits for the status instead gets it after STATUS_LINGER_S.
+        await asyncio.sleep(STATUS_LINGER_S)
+
+    async def answers(self, requests: AsyncIterable[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
+        """One exchange over an in-process message source (tests, tools): every answer, in order."""
+        source = aiter(requests)
+        out: list[pb.ProcessingResponse] = []
+
+        async def read() -> pb.ProcessingRequest | object:
+            return await anext(source, grpc.aio.EOF)
+
+        async def write(resp: pb.ProcessingResponse) -> None:
+            out.append(resp)
+
+        await self.exchange(read, write, None)
+        return out
+
+    async def exchange(
+        self,
+        read: Callable[[], Awaitable[pb.ProcessingRequest | object]],
+        write: Callable[[pb.ProcessingResponse], Awaitable[None]],
+        context: grpc.aio.ServicerContext | None,
+    ) -> None:
+        """One ext_proc stream: read messages until Envoy closes its side (``grpc.aio.EOF``),
+        writing each answer as it is made. A :class:`PickerError` ends the stream with its
+        ``ImmediateResponse``; the exchange's accounting ends here, however the stream ends."""
         if self.max_streams and self.open_streams >= self.max_streams:
             # Refused before a message is read: Envoy's failure mode applies to this request.
+            assert context is not None, "a stream cap needs the gRPC context to refuse with"
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"over {self.max_streams} concurrent ext_proc streams"
             )
@@ -464,28 +515,22 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         outcome = "aborted"
         self.open_streams += 1
         try:
-            async for msg in requests:
+            while (msg := await read()) is not grpc.aio.EOF:
+                assert isinstance(msg, pb.ProcessingRequest), f"read() gave {type(msg).__name__}"
                 try:
                     out = self._step(ex, await self._offload(ex, msg))
                 except PickerError as err:
                     outcome = f"error_{err.status}"
                     if self.telemetry and ex.ticket is None:  # else counted by close()
                         self.telemetry.requests.labels("rejected", outcome).inc()
-                    yield immediate(err)
-                    break
+                    await write(immediate(err))
+                    return
                 for resp in out:
-                    yield resp
-            else:
-                outcome = "ok"
+                    await write(resp)
+            outcome = "ok"
         finally:
             self.open_streams -= 1
             ex.close(outcome)
-        # Envoy half-closes the stream and then resets it. Returning now would send the status
-        # on a call about to be reset, and grpcio's aio server leaks that failed batch's op array
-        # (about 80 bytes per stream; grpc/grpc#43360, unfixed in 1.85): the soak's RSS grew by
-        # that per request. Waiting for the reset (a CancelledError here) sends no status at all;
-        # a client that waits for the status instead gets it after STATUS_LINGER_S.
-        await asyncio.sleep(STATUS_LINGER_S)
 
     def _step(self, ex: Exchange, msg: pb.ProcessingRequest) -> Iterable[pb.ProcessingResponse]:
         """:meth:`_dispatch`, timing only the call that makes the pick (the e2e histogram holds

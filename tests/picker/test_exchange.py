@@ -298,7 +298,7 @@ async def test_pick_latency_has_one_sample_per_picked_request() -> None:
         ],
     ]
     for msgs in streams:
-        [r async for r in svc.Process(_stream(*msgs), None)]
+        await svc.answers(_stream(*msgs))
     assert _sample_count(telemetry, e2e) == 2
 
 
@@ -319,7 +319,7 @@ async def test_unexpected_error_becomes_a_json_500_and_releases_accounting(
         pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True)),
     ]
     with caplog.at_level(logging.ERROR, logger="picker.serving.extproc"):
-        out = [r async for r in svc.Process(_stream(*msgs), None)]
+        out = await svc.answers(_stream(*msgs))
     last = out[-1]
     assert last.WhichOneof("response") == "immediate_response", "the stream ends with a 500, not an RPC error"
     assert last.immediate_response.status.code == 500
@@ -342,7 +342,7 @@ async def test_unexpected_error_before_the_pick_is_a_500_too(monkeypatch: pytest
 
     monkeypatch.setattr(svc.router, "route", boom)
     msgs = [pb.ProcessingRequest(request_headers=headers()), pb.ProcessingRequest(request_body=BODY)]
-    [resp] = [r async for r in svc.Process(_stream(*msgs), None)]
+    [resp] = await svc.answers(_stream(*msgs))
     assert resp.immediate_response.status.code == 500
     assert json.loads(resp.immediate_response.body)["error"]["type"] == "internal_error"
     assert all(s.load.in_flight_requests == 0 for s in pool)

@@ -191,7 +191,7 @@ async def test_ext_proc_tokenizes_off_the_event_loop(tok_dir: pathlib.Path) -> N
         return encode(*a)
 
     router.tokenize = spy  # type: ignore[method-assign]
-    out = [r async for r in ExtProcService(router).Process(stream(), None)]
+    out = await ExtProcService(router).answers(stream())
     assert out and threads and threads[0] != "MainThread", "tokenized in a worker thread"
     chosen = next(
         h.header.raw_value.decode()
