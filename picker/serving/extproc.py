@@ -427,6 +427,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.open_streams = 0
         """Ext_proc streams in progress; written only by :meth:`exchange`."""
         self._counted = {k: telemetry.extproc_messages.labels(k) for k in MESSAGE_KINDS} if telemetry else {}
+        self.status_linger_s = STATUS_LINGER_S
+        """How long a finished stream waits for Envoy's reset before it ends with a status."""
         """Pre-bound counter children: one ``inc`` per message, no label lookup."""
 
     async def _offload(self, ex: Exchange, msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
@@ -476,8 +478,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         # on a call about to be reset, and grpcio's aio server leaks that failed batch's op array
         # (about 80 bytes per stream; grpc/grpc#43360, unfixed in 1.85): the soak's RSS grew by
         # that per request. Waiting for the reset (a CancelledError here) sends no status at all;
-        # a client that waits for the status instead gets it after STATUS_LINGER_S.
-        await asyncio.sleep(STATUS_LINGER_S)
+        # a client that waits for the status instead gets it after status_linger_s.
+        await asyncio.sleep(self.status_linger_s)
 
     async def answers(self, requests: AsyncIterable[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
         """One exchange over an in-process message source (tests, tools): every answer, in order."""

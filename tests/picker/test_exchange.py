@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
 
+import grpc
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -257,10 +259,12 @@ def test_announced_full_duplex_still_waits_for_the_body() -> None:
 # ---- the service: pick latency and unexpected errors -----------------------------------------
 
 
-def _service() -> tuple[ExtProcService, Telemetry, Pool]:
+def _service(linger: float = 0.0) -> tuple[ExtProcService, Telemetry, Pool]:
     ex, pool = make()
     telemetry = Telemetry()
-    return ExtProcService(ex.router, telemetry), telemetry, pool
+    svc = ExtProcService(ex.router, telemetry)
+    svc.status_linger_s = linger
+    return svc, telemetry, pool
 
 
 def _stream(*msgs: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingRequest]:
@@ -373,3 +377,30 @@ def test_the_service_skips_response_headers_only_without_fallbacks() -> None:
     assert ExtProcService(Router(RouterConfig(fallbacks=0), pool)).skip_response_headers
     assert not ExtProcService(Router(RouterConfig(fallbacks=1), pool)).skip_response_headers
     assert not ExtProcService(Router(RouterConfig(), pool), response_headers="always").skip_response_headers
+
+
+async def test_a_finished_stream_waits_for_envoys_reset_instead_of_ending_with_a_status() -> None:
+    """Envoy half-closes a finished stream, then resets it. Ending the call at the half-close
+    makes grpcio send a status on a call being reset, and leak that failed batch's op array
+    (grpc/grpc#43360): the handler ends the request's accounting, then waits to be cancelled."""
+    svc, _, pool = _service(linger=30.0)
+    msgs = [pb.ProcessingRequest(request_headers=headers()), pb.ProcessingRequest(request_body=BODY)]
+
+    class Context:  # the part of grpc.aio's ServicerContext that Process uses
+        out: list[pb.ProcessingResponse] = []
+
+        async def read(self) -> object:
+            return msgs.pop(0) if msgs else grpc.aio.EOF
+
+        async def write(self, resp: pb.ProcessingResponse) -> None:
+            self.out.append(resp)
+
+    ctx = Context()
+    task = asyncio.create_task(svc.Process(None, ctx))  # type: ignore[arg-type]
+    await asyncio.sleep(0.2)
+    assert ctx.out and not task.done(), "the handler returned at the half-close: grpcio would send a status"
+    assert all(s.load.in_flight_requests == 0 for s in pool), "the request ended at the half-close"
+    assert svc.open_streams == 0, "a lingering stream takes no stream slot"
+    task.cancel()  # Envoy's reset
+    with pytest.raises(asyncio.CancelledError):
+        await task
