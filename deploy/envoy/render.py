@@ -44,6 +44,14 @@ BUFFERED cost about 30% less picker CPU per 220 KB request and about 10% less pe
 for the request (``mode_override``; Envoy ignores it in FULL_DUPLEX_STREAMED, where the headers
 are answered after the body): see the picker's ``--response-headers``.
 
+Request headers are always SENT, so a request costs two messages each way, not one. With
+``request_header_mode: SKIP`` ext_proc lets the headers through at once, and the router matches the
+route and ORIGINAL_DST (or override_host) picks the host at the headers, before the body is sent;
+a body answer's header mutation then has no headers to change (Envoy 1.40, ``ext_proc.cc``
+``decodeHeaders``, ``processor_state.cc`` ``handleBodyResponse``). Every request got Envoy's 404
+(the route requires the destination header), or 503 without that requirement
+(``tests/picker/test_datapath.py::test_the_destination_cannot_ride_on_the_body_alone``).
+
 Large bodies are streamed (``--stream-bodies-over``, 1 MiB; fail-close and pool configs). A BUFFERED
 body reaches the picker as one gRPC message, which its event loop receives and decodes in one step
 (9-17 ms for 8 MiB here), stalling every other request. So each route has twins, placed first, for

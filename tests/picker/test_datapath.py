@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvlaunch import Procs, Stack, free_port, http, post_json, stack
@@ -136,5 +137,57 @@ def test_streamed_response_through_gie_test_config(tmp_path: pathlib.Path) -> No
         _check_stream(_events(_stream(st, 200)), 200)
         st.wait_in_flight_zero()
         assert _messages(st)["response_body"] > before, "GIE's config streams response bodies via ext_proc"
+    finally:
+        procs.stop()
+
+
+def _skip_request_headers(node: object, keep_route_header: bool) -> None:
+    """The rendered config, edited in place: ext_proc SKIPs the request headers (the body comes
+    alone, one message each way); without ``keep_route_header`` the ORIGINAL_DST route no longer
+    requires the destination header either."""
+    if isinstance(node, dict):
+        mode = node.get("processing_mode")
+        if isinstance(mode, dict) and "request_header_mode" in mode:
+            mode["request_header_mode"] = "SKIP"
+        match = node.get("match")
+        if not keep_route_header and isinstance(match, dict):
+            match.pop("headers", None)
+        for v in node.values():
+            _skip_request_headers(v, keep_route_header)
+    elif isinstance(node, list):
+        for v in node:
+            _skip_request_headers(v, keep_route_header)
+
+
+@pytest.mark.parametrize(("keep_route_header", "status"), [(True, 404), (False, 503)])
+def test_the_destination_cannot_ride_on_the_body_alone(
+    keep_route_header: bool, status: int, tmp_path: pathlib.Path
+) -> None:
+    """Why the picker must take the request headers (two messages each way, not one): with
+    ``request_header_mode: SKIP`` Envoy 1.40's ext_proc lets the headers through at once
+    (``decodeHeaders`` returns Continue), so the router matches the route and ORIGINAL_DST picks
+    its host before the body is even sent; the body answer's header mutation finds no headers
+    to change (``handleBodyResponse``: "headers aren't available"). The route that requires the
+    destination header gives 404; without that requirement ORIGINAL_DST has no host: 503. Both
+    are Envoy's local replies at the headers, before the picker could answer anything. A
+    future Envoy that routes after the body would fail this test: then one message each way is
+    possible."""
+    procs = Procs(tmp_path)
+    st = Stack(procs, [free_port(), free_port()])
+    try:
+        st.start_upstreams()
+        st.start_picker()
+        cfg = yaml.safe_load(st.render_envoy())
+        _skip_request_headers(cfg, keep_route_header)
+        st.start_envoy(config=yaml.safe_dump(cfg))
+        before = _messages(st)
+        deadline = time.monotonic() + 20
+        got = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "one message"})
+        while isinstance(got[1], dict) and time.monotonic() < deadline:  # the picker's JSON 503
+            time.sleep(0.3)  # until its first scrape; then the answer is Envoy's own
+            got = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "one message"})
+        assert got == (status, "" if status == 404 else "no healthy upstream"), got
+        after = _messages(st)
+        assert after.get("request_headers", 0.0) == before.get("request_headers", 0.0), after
     finally:
         procs.stop()
