@@ -63,6 +63,18 @@ class Fleet:
     def endpoints(self) -> str:
         return ",".join(f"{h}:{self.port}" for h in self.hosts)
 
+    def served(self) -> list[float]:
+        """Requests each replica has finished (its ``vllm:request_success`` counters, summed)."""
+        out = []
+        for h in self.hosts:
+            status, body, _ = http("GET", f"http://{h}:{self.port}/metrics")
+            assert status == 200, f"{h}: /metrics answered {status}"
+            out.append(sum(
+                float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
+                if line.startswith("vllm:request_success_total")
+            ))  # fmt: skip
+        return out
+
     def reset(self) -> None:
         for h in self.hosts:
             deadline = time.monotonic() + 30
@@ -97,10 +109,16 @@ class Pickers:
     url: str
 
     def cpu(self) -> float:
-        return sum(cpu_seconds(p) for p in self.pids)
+        return sum(self.per_picker_cpu())
+
+    def per_picker_cpu(self) -> list[float]:
+        return [cpu_seconds(p) for p in self.pids]
 
 
-def start_pickers(procs: Procs, n: int, fleet: Fleet, tag: str) -> Pickers:
+def start_pickers(procs: Procs, n: int, fleet: Fleet, tag: str, routed: int = 0) -> Pickers:
+    """``n`` pickers sharing picks and load; Envoy's ext_proc cluster lists the first ``routed``
+    (default all): the others subscribe, listen to their peers, scrape and are idle otherwise."""
+    routed = routed or n
     peers = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
     grpc = [free_port() for _ in range(n)]
     pids = []
@@ -121,7 +139,12 @@ def start_pickers(procs: Procs, n: int, fleet: Fleet, tag: str) -> Pickers:
         pids.append(proc.pid)
     listen = free_port()
     render = [PY, str(ROOT / "deploy/envoy/render.py"), "--listen-port", str(listen)]
-    render += ["--admin-port", str(free_port()), "--picker", ",".join(f"127.0.0.1:{g}" for g in grpc)]
+    render += [
+        "--admin-port",
+        str(free_port()),
+        "--picker",
+        ",".join(f"127.0.0.1:{g}" for g in grpc[:routed]),
+    ]
     cfg = procs.run_dir / f"envoy-{tag}.yaml"
     cfg.write_text(subprocess.run(render, check=True, capture_output=True, text=True).stdout)
     base_id = str(os.getpid() % 1000 + 7000 + len(procs.procs))
@@ -137,34 +160,53 @@ def start_pickers(procs: Procs, n: int, fleet: Fleet, tag: str) -> Pickers:
 
 
 @contextmanager
-def pickers_running(procs: Procs, n: int, fleet: Fleet, tag: str) -> Iterator[Pickers]:
+def pickers_running(procs: Procs, n: int, fleet: Fleet, tag: str, routed: int = 0) -> Iterator[Pickers]:
     first = len(procs.procs)
     try:
-        yield start_pickers(procs, n, fleet, tag)
+        yield start_pickers(procs, n, fleet, tag, routed)
     finally:
         for name, _ in procs.procs[first:]:
             procs.stop(name, timeout=5)
         del procs.procs[first:]
 
 
+def parse_case(spec: str) -> tuple[int, int]:
+    """``"3"``: 3 pickers, all behind Envoy; ``"3:1"``: 3 pickers running, Envoy routes to 1."""
+    n, _, routed = spec.partition(":")
+    out = (int(n), int(routed or n))
+    assert 1 <= out[1] <= out[0], f"case {spec!r}: Envoy can route to 1..{out[0]} of the pickers"
+    return out
+
+
 @dataclass
 class Case:
     pickers: int
+    routed: int
+    """Pickers in Envoy's ext_proc cluster (the rest only consume events and peer messages)."""
     repeat: int
     requests: int
     errors: int
     cpu_ms_per_request: float
     """All the pickers' CPU during the run, per request."""
     net_cpu_ms_per_request: float
-    """The same less their idle rate (scrapes, health checks, peer reports) times the run's wall."""
+    """The same less their idle rate (scrapes, health checks, peer reports) times the run's wall;
+    the idle rate is the mean of the ones measured just before and just after the run."""
     idle_cpu_ms_per_s: float
+    """Idle rate before the run."""
+    idle_after_cpu_ms_per_s: float
+    picker_share_max: float
+    """The busiest picker's share of the pickers' CPU net of idle during the run, times the
+    number routed (1.0: Envoy spread the requests evenly)."""
+    replica_share_max: float
+    """The busiest replica's share of the requests, times the number of replicas."""
     hit_rate: float
     ttft_p50: float
     ttft_p90: float
     throughput_rps: float
 
 
-def scaling_case(procs: Procs, fleet: Fleet, n: int, repeat: int, a: argparse.Namespace) -> Case:
+def scaling_case(procs: Procs, fleet: Fleet, spec: str, repeat: int, a: argparse.Namespace) -> Case:
+    n, routed = parse_case(spec)
     if a.workload == "mooncake":
         w = mooncake(a.trace, a.limit, a.max_input_tokens)
         load = LoadConfig(mode="trace", time_scale=a.time_scale, model=MODEL, progress=False)
@@ -173,23 +215,35 @@ def scaling_case(procs: Procs, fleet: Fleet, n: int, repeat: int, a: argparse.Na
             a.groups, a.per_group, a.prefix_tokens, a.question_tokens, a.output_tokens, seed=repeat
         )
         load = LoadConfig(mode="poisson", rate=a.rate, model=MODEL, seed=repeat, progress=False)
-    with pickers_running(procs, n, fleet, f"{n}-{repeat}") as pk:
+    with pickers_running(procs, n, fleet, f"{spec}-{repeat}", routed) as pk:
         fleet.reset()
         time.sleep(1.0)
-        idle0, t0 = pk.cpu(), time.monotonic()
-        time.sleep(a.idle_s)
-        idle_rate = (pk.cpu() - idle0) / (time.monotonic() - t0)
-        cpu0 = pk.cpu()
+        idle = _idle_rates(pk, a.idle_s)
+        cpu0, served0 = pk.per_picker_cpu(), fleet.served()
         outcomes, wall = asyncio.run(run([pk.url], w, load))
-        cpu = pk.cpu() - cpu0
+        cpus = [c - c0 for c, c0 in zip(pk.per_picker_cpu(), cpu0, strict=True)]
+        served = [x - x0 for x, x0 in zip(fleet.served(), served0, strict=True)]
+        after = _idle_rates(pk, a.idle_s)
     s = summarize(outcomes, wall)
     per = 1000 / max(1, s.requests)
+    idle_rate = [(b + c) / 2 for b, c in zip(idle, after, strict=True)]
+    net = [max(0.0, c - r * wall) for c, r in zip(cpus, idle_rate, strict=True)]
     case = Case(
-        n, repeat, s.requests, s.errors, per * cpu, per * max(0.0, cpu - idle_rate * wall),
-        1000 * idle_rate, s.hit_rate, s.ttft_p50, s.ttft_p90, s.throughput_rps,
+        n, routed, repeat, s.requests, s.errors, per * sum(cpus), per * sum(net), 1000 * sum(idle),
+        1000 * sum(after), max(net[:routed]) / max(1e-9, sum(net[:routed])) * routed,
+        max(served) / max(1e-9, sum(served)) * len(served), s.hit_rate, s.ttft_p50, s.ttft_p90,
+        s.throughput_rps,
     )  # fmt: skip
     print(json.dumps(asdict(case)), flush=True)
     return case
+
+
+def _idle_rates(pk: Pickers, seconds: float) -> list[float]:
+    """Each picker's CPU seconds per second while no request is sent."""
+    c0, t0 = pk.per_picker_cpu(), time.monotonic()
+    time.sleep(seconds)
+    dt = time.monotonic() - t0
+    return [(c - b) / dt for c, b in zip(pk.per_picker_cpu(), c0, strict=True)]
 
 
 @dataclass
@@ -272,19 +326,22 @@ def _med(xs: list[float], fmt: str) -> str:
     return f"{format(statistics.median(xs), fmt)} [{format(min(xs), fmt)}-{format(max(xs), fmt)}]"
 
 
-def scaling_table(cases: list[Case], ns: list[int]) -> str:
+def scaling_table(cases: list[Case], specs: list[str]) -> str:
     lines = [
-        "| pickers | picker CPU ms/request | net of idle | net vs 1 picker | idle CPU ms/s | hit rate | "
-        "TTFT p50 s | TTFT p90 s | req/s | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| pickers (routed) | picker CPU ms/request | net of idle | net vs first | idle CPU ms/s, before / after | "
+        "busiest picker | busiest replica | hit rate | TTFT p50 s | TTFT p90 s | req/s | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = statistics.median(c.net_cpu_ms_per_request for c in cases if c.pickers == ns[0])
-    for n in ns:
-        cs = [c for c in cases if c.pickers == n]
+    groups = [[c for c in cases if (c.pickers, c.routed) == parse_case(spec)] for spec in specs]
+    base = statistics.median(c.net_cpu_ms_per_request for c in groups[0])
+    for cs in groups:
         net = [c.net_cpu_ms_per_request for c in cs]
+        name = f"{cs[0].pickers}" + (f" ({cs[0].routed})" if cs[0].routed != cs[0].pickers else "")
         lines.append(
-            f"| {n} | {_med([c.cpu_ms_per_request for c in cs], '.3f')} | {_med(net, '.3f')} | "
-            f"{statistics.median(net) / base:.2f}x | {_med([c.idle_cpu_ms_per_s for c in cs], '.1f')} | "
+            f"| {name} | {_med([c.cpu_ms_per_request for c in cs], '.3f')} | {_med(net, '.3f')} | "
+            f"{statistics.median(net) / base:.2f}x | {_med([c.idle_cpu_ms_per_s for c in cs], '.0f')} / "
+            f"{_med([c.idle_after_cpu_ms_per_s for c in cs], '.0f')} | "
+            f"{_med([c.picker_share_max for c in cs], '.2f')} | {_med([c.replica_share_max for c in cs], '.2f')} | "
             f"{_med([c.hit_rate for c in cs], '.3f')} | {_med([c.ttft_p50 for c in cs], '.3f')} | "
             f"{_med([c.ttft_p90 for c in cs], '.3f')} | {_med([c.throughput_rps for c in cs], '.1f')} | "
             f"{sum(c.errors for c in cs)} |"
@@ -308,7 +365,12 @@ def failover_table(rows: list[Failover]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pickers", default="1,2,3", help="picker counts to compare")
+    p.add_argument(
+        "--pickers",
+        default="1,2,3",
+        help="cases to compare: N pickers, or N:K for N pickers of which Envoy routes to K (the others "
+        "only consume events and peer messages: their CPU, not their routing)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per replica (0: the profile's)")
@@ -345,9 +407,9 @@ def main(argv: list[str] | None = None) -> int:
                 fo = [failover_case(procs, fleet, r, a) for r in range(a.repeats)]
                 text, data = failover_table(fo), [asdict(f) for f in fo]
             else:
-                ns = [int(x) for x in a.pickers.split(",")]
-                cases = [scaling_case(procs, fleet, n, r, a) for r in range(a.repeats) for n in ns]
-                text, data = scaling_table(cases, ns), [asdict(c) for c in cases]
+                specs = a.pickers.split(",")
+                cases = [scaling_case(procs, fleet, spec, r, a) for r in range(a.repeats) for spec in specs]
+                text, data = scaling_table(cases, specs), [asdict(c) for c in cases]
         finally:
             procs.stop()
     print(text)

@@ -7,8 +7,10 @@ publishes each pick (endpoint, the prompt's KV-block keys, its text-block hashes
 socket, and subscribes to every other replica's: a peer's pick is recorded as if it were its own
 (a speculative entry; an approximate-index entry).
 
-They also report their in-flight work: every ``load_interval_s`` (50 ms) each publishes, per
-endpoint, the requests it has in flight there and their pending prefill tokens; a receiver sums
+They also report their in-flight work: every ``load_interval_s`` (50 ms) each looks at, per
+endpoint, the requests it has in flight there and their pending prefill tokens, and publishes them
+when they changed since its last report, or ``load_heartbeat_s`` (0.25 s) after it (so an idle
+picker sends 4 reports a second, not 20: every report wakes every peer); a receiver sums
 the latest report of every peer heard from in the last ``load_ttl_s`` (1 s: a dead peer's load
 fades) into ``EndpointState.peer_load``, which
 the cost scorer and the load guard add to the picker's own.
@@ -76,6 +78,7 @@ class Peers:
         clock: Callable[[], float] = time.monotonic,
         load_interval_s: float = 0.05,
         load_ttl_s: float = 1.0,
+        load_heartbeat_s: float = 0.25,
         peer_dns: str = "",
         dns_interval_s: float = 5.0,
         resolver: Resolver = resolve,
@@ -87,7 +90,16 @@ class Peers:
             if not (host and port.isdigit()):
                 raise ValueError(f"peer DNS name must be host:port, got {peer_dns!r}")
         self.discovered: set[str] = set()
-        self.load_interval_s, self.load_ttl_s = load_interval_s, load_ttl_s
+        assert 0 < load_heartbeat_s < load_ttl_s, (
+            f"load heartbeat {load_heartbeat_s} s must be shorter than the load TTL {load_ttl_s} s, or idle peers fade"
+        )
+        self.load_interval_s, self.load_ttl_s, self.load_heartbeat_s = (
+            load_interval_s,
+            load_ttl_s,
+            load_heartbeat_s,
+        )
+        self._last_report: tuple[float, dict[str, list[int]]] | None = None
+        """(sent at, report) of our last load report; written by :meth:`publish_load` only."""
         self._loads: dict[str, tuple[float, dict[str, list[int]]]] = {}
         self.ident = ident or f"{os.getpid()}-{os.urandom(4).hex()}"
         self._ctx = zmq.asyncio.Context()
@@ -128,15 +140,21 @@ class Peers:
             self.router.index.record(endpoint, hashes)
         return True
 
-    def publish_load(self) -> None:
-        """Report this picker's own in-flight work per endpoint (non-blocking)."""
+    def publish_load(self) -> bool:
+        """Report this picker's own in-flight work per endpoint (non-blocking), if it changed since
+        the last report or that is ``load_heartbeat_s`` old. Returns whether a report was sent."""
         report = {
             s.key: [s.load.in_flight_requests, s.load.pending_prefill_tokens]
             for s in self.router.pool
             if s.load.in_flight_requests or s.load.pending_prefill_tokens
         }
+        now, last = self.clock(), self._last_report
+        if last is not None and last[1] == report and now - last[0] < self.load_heartbeat_s:
+            return False
+        self._last_report = (now, report)
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart([LOAD, msgpack.packb([self.ident, report])], flags=zmq.NOBLOCK)
+        return True
 
     def apply_load(self, body: bytes) -> bool:
         """Take one peer's load report. Returns False for a malformed one (dropped)."""

@@ -122,6 +122,30 @@ async def test_in_flight_work_is_shared_and_a_dead_peers_fades() -> None:
         )
 
 
+def test_an_unchanged_load_report_waits_for_the_heartbeat() -> None:
+    """A load report goes out when the in-flight work changed, else once per heartbeat: an idle
+    picker wakes each peer 4 times a second, not 20."""
+    now = [100.0]
+    r = router("precise")
+    peer = Peers(r, f"tcp://127.0.0.1:{free_port()}", [], "a", clock=lambda: now[0], load_heartbeat_s=0.25)
+    try:
+        assert peer.publish_load(), "the first report always goes"
+        now[0] += 0.05
+        assert not peer.publish_load(), "nothing changed, heartbeat not due"
+        ticket = r.start(r.route(InferenceRequest(model="m", routing_text="x" * 64)))
+        assert peer.publish_load(), "a new request in flight is reported at once"
+        now[0] += 0.2
+        assert not peer.publish_load()
+        now[0] += 0.05
+        assert peer.publish_load(), "the heartbeat is due"
+        r.finish(ticket)
+        assert peer.publish_load(), "a finished request is reported at once"
+    finally:
+        peer.close()
+    with pytest.raises(AssertionError, match="heartbeat"):
+        Peers(r, f"tcp://127.0.0.1:{free_port()}", [], "b", load_ttl_s=0.2, load_heartbeat_s=0.25)
+
+
 async def test_peers_found_by_dns_follow_restarts_and_scaling() -> None:
     """Peers named by a DNS name (the chart's headless Service): pods on their own IPs, one port.
     A picker added to the name is heard within one re-resolution, a restarted one (same address,
