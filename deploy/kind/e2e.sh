@@ -77,8 +77,10 @@ helm upgrade --install "$RELEASE" charts/kvpick -n "$NAMESPACE" --wait --timeout
   --set picker.config.fallbacks=0
 # fallbacks=0: the gateway below is render.py's ORIGINAL_DST Envoy, which routes on one address;
 # the chart's default (2) lists fallbacks in the header, for override_host gateways only.
+# The headless peers Service: its name resolves to every picker pod, so Envoy health-checks,
+# ejects and retries each picker on its own (a ClusterIP name would be one host to Envoy).
 "$PYTHON" deploy/kind/envoy_manifest.py --namespace "$NAMESPACE" --image "$ENVOY_IMAGE" \
-  --picker "$RELEASE-picker.$NAMESPACE.svc.cluster.local:9002" | kubectl apply -f -
+  --picker "$RELEASE-picker-peers.$NAMESPACE.svc.cluster.local:9002" | kubectl apply -f -
 kubectl -n "$NAMESPACE" rollout status deploy/kvpick-envoy --timeout 180s
 kubectl -n "$NAMESPACE" rollout status deploy/"$RELEASE"-picker --timeout 180s
 

@@ -2,11 +2,17 @@
 """Print Kubernetes manifests for a plain Envoy gateway in front of the picker, for the kind test.
 
 The Envoy config is deploy/envoy/render.py's (ext_proc to the picker, ORIGINAL_DST upstream keyed
-by x-gateway-destination-endpoint), with two changes for a cluster: the picker is reached by its
-Service DNS name (STRICT_DNS), and responses carry ``x-kvpick-upstream: %UPSTREAM_HOST%`` so the
+by x-gateway-destination-endpoint), with two changes for a cluster: the pickers are reached by a
+DNS name (STRICT_DNS), and responses carry ``x-kvpick-upstream: %UPSTREAM_HOST%`` so the
 test can see which replica served each request.
 
-    python3 deploy/kind/envoy_manifest.py --namespace kvpick --picker kvpick-picker.kvpick.svc.cluster.local:9002
+    python3 deploy/kind/envoy_manifest.py --namespace kvpick --picker kvpick-picker-peers.kvpick.svc.cluster.local:9002
+
+Name the chart's headless ``<release>-picker-peers`` Service, as e2e.sh does: it resolves to every
+picker pod's address, so Envoy sees one host per picker, health-checks each (every 0.5 s), ejects a
+dead one and retries its streams on another (render.py's failover). The ClusterIP
+``<release>-picker`` Service would be one host to Envoy, and kube-proxy would keep sending new
+streams to a dead pod until its readiness probe failed.
 """
 
 from __future__ import annotations
@@ -103,7 +109,9 @@ def manifests(namespace: str, picker: str, tls: bool, image: str, port: int) -> 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--namespace", default="kvpick")
-    p.add_argument("--picker", required=True, help="picker Service host:port (ext_proc gRPC)")
+    p.add_argument(
+        "--picker", required=True, help="the pickers' headless Service host:port (ext_proc gRPC; module doc)"
+    )
     p.add_argument("--plaintext", action="store_true", help="the picker runs with --secure-serving=false")
     p.add_argument(
         "--image", default="envoyproxy/envoy:v1.36-latest", help="e2e.sh passes our kvpick envoy image"

@@ -57,6 +57,33 @@ def test_kind_envoy_manifests_validate() -> None:
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 
 
+def test_kind_envoy_reaches_each_picker_pod() -> None:
+    """e2e.sh points Envoy at the chart's headless peers Service on the ext_proc port: a STRICT_DNS
+    cluster over every picker pod (not-ready ones too; the health checks sort them out), each
+    health-checked and ejected on its own, with the ext_proc stream retried on another."""
+    script = (ROOT / "deploy/kind/e2e.sh").read_text()
+    arg = '--picker "$RELEASE-picker-peers.$NAMESPACE.svc.cluster.local:9002"'
+    assert arg in script, "e2e.sh must name the headless peers Service"
+    docs = render({})
+    svc = one(docs, "Service", f"{RELEASE}-picker-peers")
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    pod = one(docs, "Deployment", f"{RELEASE}-picker")["spec"]["template"]
+    assert all(pod["metadata"]["labels"][k] == v for k, v in svc["spec"]["selector"].items())
+    ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert ports["grpc"] == 9002, "the name's port must be the pods' ext_proc port"
+    name = f"{RELEASE}-picker-peers.kvpick.svc.cluster.local"
+    cfg = envoy_manifest.envoy_config(f"{name}:9002", tls=True, listen_port=8080)
+    cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "kvpick_picker")
+    assert cluster["type"] == "STRICT_DNS"
+    addr = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert addr["socket_address"] == {"address": name, "port_value": 9002}
+    assert cluster["health_checks"][0]["grpc_health_check"]["service_name"].endswith("ExternalProcessor")
+    assert cluster["outlier_detection"]["consecutive_local_origin_failure"] == 1
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    ext_proc = next(f for f in hcm["http_filters"] if "ext_proc" in f["name"])
+    assert "retry_policy" in ext_proc["typed_config"]["grpc_service"]
+
+
 @pytest.mark.parametrize(
     "script", ["deploy/kind/e2e.sh", "deploy/docker/build.sh", "deploy/docker/base-image.sh"]
 )
