@@ -7,7 +7,8 @@
   default: true), ``continue_final_message``, the tokenizer's special tokens (``bos_token`` …) and
   the request's ``chat_template_kwargs``;
 - message content in vLLM's "string" format (text parts joined with newlines) unless the template
-  iterates over ``message['content']`` ("openai" format: a list of ``{"type": "text", ...}`` parts);
+  iterates over a message's content ("openai" format: a list of ``{"type": "text", ...}`` parts),
+  detected on the template's AST as vLLM does (:mod:`picker.core.tokenize.content_format`);
   an assistant message's ``tool_calls[].function.arguments`` JSON string is parsed to a mapping.
 
 A message with non-text parts (images, audio) cannot be rendered here: :class:`Unrenderable`,
@@ -17,7 +18,6 @@ and the request is routed approximately.
 from __future__ import annotations
 
 import json
-import re
 from datetime import datetime
 from typing import Any
 
@@ -25,7 +25,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-_OPENAI_FORMAT = re.compile(r"for\s+\w+\s+in\s+\w+\s*(\[\s*['\"]content['\"]\s*\]|\.content)")
+from picker.core.tokenize import content_format
 
 
 class Unrenderable(ValueError):
@@ -61,7 +61,7 @@ class ChatTemplate:
         self.source = source
         self.template = env.from_string(source)
         self.special_tokens = special_tokens
-        self.openai_format = bool(_OPENAI_FORMAT.search(source))
+        self.openai_format = content_format.detect(env, source) == "openai"
 
     def render(self, doc: dict[str, Any]) -> str:
         """The prompt text vLLM renders for a chat-completions body ``doc``."""
