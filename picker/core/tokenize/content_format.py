@@ -27,13 +27,16 @@ def detect(env: jinja2.Environment, source: str) -> ContentFormat:
     except jinja2.TemplateSyntaxError:
         return "string"
     messages = set(_aliases(root, "messages"))
-    items = {loop.target.name for loop in _loops(root) if _reads(loop.iter, messages)}
-    return "openai" if any(_reads(loop.iter, items, "content") for loop in _loops(root)) else "string"
+    items = {name for name, loop in _loops(root) if _reads(loop.iter, messages)}
+    return "openai" if any(_reads(loop.iter, items, "content") for _, loop in _loops(root)) else "string"
 
 
-def _loops(root: n.Node) -> Iterator[n.For]:
-    """``for`` loops with a single loop variable (``for a, b in …`` unpacks no message)."""
-    return (f for f in root.find_all(n.For) if isinstance(f.target, n.Name))
+def _loops(root: n.Node) -> Iterator[tuple[str, n.For]]:
+    """``for`` loops with a single loop variable, and its name (``for a, b in …`` unpacks no
+    message)."""
+    for f in root.find_all(n.For):
+        if isinstance(f.target, n.Name):
+            yield f.target.name, f
 
 
 def _aliases(root: n.Node, name: str) -> list[str]:
