@@ -7,16 +7,21 @@ publishes each pick (endpoint, the prompt's KV-block keys, its text-block hashes
 socket, and subscribes to every other replica's: a peer's pick is recorded as if it were its own
 (a speculative entry; an approximate-index entry).
 
-They also report their in-flight work: every ``load_interval_s`` (50 ms) each looks at, per
-endpoint, the requests it has in flight there and their pending prefill tokens, and publishes them
-when they changed since its last report, or ``load_heartbeat_s`` (0.25 s) after it (so an idle
-picker sends 4 reports a second, not 20: every report wakes every peer); a receiver sums
+They also report their in-flight work, per endpoint: the requests each has in flight there and
+their pending prefill tokens. Every pick carries its sender's report (taken after the pick is
+charged), and every ``load_interval_s`` (50 ms) each picker sends a report of its own only when its
+work changed since the last report it sent (a request finished), or ``load_heartbeat_s`` (0.25 s)
+after it: every message wakes every peer, so a busy picker sends about one message per pick and
+per finish, and an idle one 4 a second. A receiver sums
 the latest report of every peer heard from in the last ``load_ttl_s`` (1 s: a dead peer's load
 fades) into ``EndpointState.peer_load``, which
 the cost scorer and the load guard add to the picker's own.
 
-Wire: ZMQ PUB, multipart ``[b"pick", msgpack([sender id, endpoint key, keys, hashes])]`` and
-``[b"load", msgpack([sender id, {endpoint key: [requests, pending prefill tokens]}])]``. A pick
+Wire: ZMQ PUB, multipart ``[b"pick", msgpack([sender id, endpoint key, keys, hashes, report])]``
+(``report`` optional: a 4-element pick from an older picker is taken without it; an older picker
+drops a 5-element one, so during a rolling upgrade peers miss each other's picks, not KV events) and
+``[b"load", msgpack([sender id, report])]``, ``report`` being
+``{endpoint key: [requests, pending prefill tokens]}``. A pick
 names an endpoint of the receiver's pool and at most ``MAX_BLOCKS`` keys and hashes of 60-bit
 ints, or it is dropped (counted in ``bad``). Our SUB sockets connect out to the configured peer
 addresses only, so a pod that can reach our port cannot inject picks: it would have to be a peer.
@@ -115,15 +120,20 @@ class Peers:
         router.on_pick = self.publish
 
     def publish(self, endpoint: str, keys: Sequence[int] | None, hashes: Sequence[int]) -> None:
-        """Tell the peers about one pick (non-blocking; dropped if the socket is full)."""
-        body = msgpack.packb([self.ident, endpoint, list(keys or ()), list(hashes)], use_bin_type=True)
+        """Tell the peers about one pick, with our load report (non-blocking; dropped if the socket
+        is full)."""
+        report = self._report()
+        self._last_report = (self.clock(), report)
+        body = msgpack.packb(
+            [self.ident, endpoint, list(keys or ()), list(hashes), report], use_bin_type=True
+        )
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart([TOPIC, body], flags=zmq.NOBLOCK)
 
     def apply(self, body: bytes) -> bool:
         """Record one peer pick. Returns False for a malformed or foreign one (dropped)."""
         try:
-            ident, endpoint, keys, hashes = msgpack.unpackb(body, raw=False)
+            ident, endpoint, keys, hashes, *rest = msgpack.unpackb(body, raw=False)
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             log.debug("bad peer message: %s", exc)
             return False
@@ -132,7 +142,9 @@ class Peers:
             return True
         if not (isinstance(endpoint, str) and self.router.pool.get(endpoint) is not None):
             return False
-        if not (_ints(keys) and _ints(hashes)):
+        if not (_ints(keys) and _ints(hashes)) or len(rest) > 1:
+            return False
+        if rest and not self._take_load(ident, rest[0]):
             return False
         if keys and self.router.precise is not None:
             self.router.precise.speculate(endpoint, keys, self.clock())
@@ -140,14 +152,18 @@ class Peers:
             self.router.index.record(endpoint, hashes)
         return True
 
-    def publish_load(self) -> bool:
-        """Report this picker's own in-flight work per endpoint (non-blocking), if it changed since
-        the last report or that is ``load_heartbeat_s`` old. Returns whether a report was sent."""
-        report = {
+    def _report(self) -> dict[str, list[int]]:
+        return {
             s.key: [s.load.in_flight_requests, s.load.pending_prefill_tokens]
             for s in self.router.pool
             if s.load.in_flight_requests or s.load.pending_prefill_tokens
         }
+
+    def publish_load(self) -> bool:
+        """Report this picker's own in-flight work per endpoint (non-blocking), if it changed since
+        the last report sent (alone or with a pick) or that is ``load_heartbeat_s`` old. Returns
+        whether a report was sent."""
+        report = self._report()
         now, last = self.clock(), self._last_report
         if last is not None and last[1] == report and now - last[0] < self.load_heartbeat_s:
             return False
@@ -162,13 +178,15 @@ class Peers:
             ident, report = msgpack.unpackb(body, raw=False)
         except (ValueError, TypeError, msgpack.UnpackException):
             return False
+        return ident == self.ident or self._take_load(ident, report)
+
+    def _take_load(self, ident: Any, report: Any) -> bool:
+        """Store a peer's report (``False``, nothing stored, if it is malformed)."""
         if (
             not (isinstance(ident, str) and isinstance(report, dict))
             or len(report) > len(self.router.pool) + 1
         ):
             return False
-        if ident == self.ident:
-            return True
         clean: dict[str, list[int]] = {}
         for key, v in report.items():
             if not (isinstance(key, str) and isinstance(v, list) and len(v) == 2 and _ints(v)):

@@ -274,12 +274,13 @@ class Router:
         self.index.record(state.key, decision.hashes)
         if decision.keys and self.precise is not None:
             self.precise.speculate(state.key, decision.keys, self.clock())
-        if self.on_pick is not None:
-            self.on_pick(state.key, decision.keys, decision.hashes)
         uncached = cyc.prompt_tokens - cyc.cached_tokens(state.key)
-        return self.accounting.start(
+        ticket = self.accounting.start(
             state, cyc.prompt_tokens, uncached, cyc.matches.get(state.key, 0), cyc, decision.hashes
         )
+        if self.on_pick is not None:  # after accounting: the peers hear our load with this request in it
+            self.on_pick(state.key, decision.keys, decision.hashes)
+        return ticket
 
     def recredit(self, ticket: Ticket, key: str) -> bool:
         """Move ``ticket`` to endpoint ``key``, the one that served it (Envoy fell back): its

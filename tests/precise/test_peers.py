@@ -87,6 +87,9 @@ async def test_malformed_or_foreign_picks_are_dropped() -> None:
             msgpack.packb(["x", "10.9.9.9:1", [1], []]),  # not an endpoint of the pool
             msgpack.packb(["x", "10.0.0.1:8000", [-1], []]),  # not a 60-bit key
             msgpack.packb(["x", "10.0.0.1:8000", "keys", []]),
+            msgpack.packb(["x", "10.0.0.1:8000", [1], [], {"10.0.0.1:8000": [-1, 0]}]),  # bad report
+            msgpack.packb(["x", "10.0.0.1:8000", [1], [], {}, "more"]),
+            msgpack.packb(["x", "10.0.0.1:8000"]),
         ]
         for body in bad:
             peer_a._pub.send_multipart([b"pick", body])
@@ -109,6 +112,7 @@ async def test_in_flight_work_is_shared_and_a_dead_peers_fades() -> None:
         assert state_b is not None
         await until(lambda: state_b.peer_load.in_flight_requests == 1, "peer in-flight seen")
         assert state_b.peer_load.pending_prefill_tokens == len(toks)
+        assert peer_b._loads["a"][1] == {key: [1, len(toks)]}, "the pick carried A's load"
         assert state_b.load.in_flight_requests == 0, "B's own count is untouched"
         a.finish(ticket)
         await until(lambda: state_b.peer_load.in_flight_requests == 0, "peer finish seen")
@@ -123,8 +127,9 @@ async def test_in_flight_work_is_shared_and_a_dead_peers_fades() -> None:
 
 
 def test_an_unchanged_load_report_waits_for_the_heartbeat() -> None:
-    """A load report goes out when the in-flight work changed, else once per heartbeat: an idle
-    picker wakes each peer 4 times a second, not 20."""
+    """A pick carries the picker's load with the new request in it; a separate load report goes
+    out when the work changed otherwise (a request finished), else once per heartbeat: an idle
+    picker wakes each peer 4 times a second, not 20, and a busy one about once per pick and finish."""
     now = [100.0]
     r = router("precise")
     peer = Peers(r, f"tcp://127.0.0.1:{free_port()}", [], "a", clock=lambda: now[0], load_heartbeat_s=0.25)
@@ -132,14 +137,17 @@ def test_an_unchanged_load_report_waits_for_the_heartbeat() -> None:
         assert peer.publish_load(), "the first report always goes"
         now[0] += 0.05
         assert not peer.publish_load(), "nothing changed, heartbeat not due"
-        ticket = r.start(r.route(InferenceRequest(model="m", routing_text="x" * 64)))
-        assert peer.publish_load(), "a new request in flight is reported at once"
+        d = r.route(InferenceRequest(model="m", routing_text="y" * 64))
+        ticket = r.start(d)  # the pick goes out with the report that has this request in it
+        assert peer._last_report == (now[0], {d.primary.key: [1, d.cycle.prompt_tokens]})
+        assert not peer.publish_load(), "the pick carried the change"
         now[0] += 0.2
         assert not peer.publish_load()
         now[0] += 0.05
         assert peer.publish_load(), "the heartbeat is due"
         r.finish(ticket)
         assert peer.publish_load(), "a finished request is reported at once"
+        assert not peer.publish_load()
     finally:
         peer.close()
     with pytest.raises(AssertionError, match="heartbeat"):
