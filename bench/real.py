@@ -13,7 +13,12 @@ is sent once straight to the replicas (a warm-up, not measured). Hit rates are t
 replicas' own ``vllm:prefix_cache_hits_total / queries_total`` deltas; the replica split is their
 ``vllm:request_success_total`` deltas. Each request's outcome is kept in the run directory
 (``rREPEAT/ROUTER/WORKLOAD.jsonl``). Each repeat runs every router once (side by side), with a
-new arrival seed; the table gives medians over repeats with [min–max].
+new arrival seed, repeat ``r`` starting with the ``r``-th router (so no router always goes first);
+the table gives medians over repeats with [min–max]. A router named ``BASE+FLAG=VALUE`` is ``BASE``
+with the picker flag ``--FLAG VALUE`` added (``cost+scrape-interval=1.0``). Per router and workload
+the run also prints vLLM's own view of the window's requests per replica (``vllm:request_queue_time_seconds``,
+``vllm:time_to_first_token_seconds``, ``vllm:request_prefill_time_seconds``: mean and p90 of the
+histogram deltas) and the CPU seconds of the router's and each replica's process groups.
 
 Workloads (prompt lengths in the tiny tokenizer's tokens, about 3.9 per generated word):
 
@@ -51,6 +56,7 @@ from kvlaunch import Procs, free_port, http
 from replica.vllm.tiny import ENV, build_tiny, command, cpu_binding
 
 from . import loadgen, stats
+from .engine_view import Hist, group_cpu, histograms
 from .fleet import Fleet, FleetConfig
 from .routers import PEERS, router
 from .workloads import Workload, multi_turn, no_sharing, shared_prefix
@@ -60,6 +66,9 @@ KV_EVENTS = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv"}
 """The chart's ``vllm.kvEventsConfig``; ``endpoint`` is added per replica."""
 ROUTERS = ("cost", "cost-approximate", "least-loaded", "vllm-router", "sglang-router")
 APPROXIMATE = "-approximate"
+VARIANT = "+"
+"""``cost+scrape-interval=1.0``: the router ``cost`` with ``--scrape-interval 1.0`` added (one
+flag at a time, side by side with the others)."""
 WORKLOADS = ("shared-prefix", "multi-turn", "no-sharing")
 
 
@@ -99,6 +108,11 @@ class VllmFleet(Fleet):
 def picker_variant(name: str, fleet: VllmFleet) -> tuple[str, list[str]]:
     """(policy, picker flags) for a router name: the shipped prefix mode (module docstring), or
     approximate for ``POLICY-approximate``; peers get neither."""
+    if VARIANT in name:
+        base, flag = name.split(VARIANT, 1)
+        key, _, value = flag.partition("=")
+        policy, args = picker_variant(base, fleet)
+        return policy, [*args, f"--{key}", *([value] if value else [])]
     if name in PEERS:
         return name, []
     if name.endswith(APPROXIMATE):
@@ -135,6 +149,26 @@ class Run:
     ttft_p90: float
     errors: int
     split: list[int] = field(default_factory=list)
+    ttft_mean: float = 0.0
+    engine: list[dict[str, float]] = field(default_factory=list)
+    """Per replica, vLLM's own view of the window's requests: ``n`` and, for each of
+    ``engine_view.ENGINE_HISTOGRAMS``, its mean and p90 (bucket upper bound)."""
+    cpu: dict[str, float] = field(default_factory=dict)
+    """CPU seconds over the window: ``router`` (its whole process groups), ``vllm-R``."""
+
+
+def _engine(after: dict[str, Hist], before: dict[str, Hist]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, h in after.items():
+        d = h.minus(before[k])
+        out["n"] = d.count
+        out[f"{k}_mean"] = d.mean()
+        out[f"{k}_p90"] = d.quantile(0.9)
+    return out
+
+
+def _cpu(groups: dict[str, list[int]]) -> dict[str, float]:
+    return {name: sum(group_cpu(g) for g in pgids) for name, pgids in groups.items()}
 
 
 def measure(
@@ -145,12 +179,17 @@ def measure(
     cfg: loadgen.LoadConfig,
     repeat: int,
     trace: pathlib.Path | None = None,
+    groups: dict[str, list[int]] | None = None,
 ) -> Run:
     """One router on one workload; each request's outcome (TTFT, cached tokens) goes to ``trace``
-    as JSON lines when given."""
+    as JSON lines when given. ``groups``: process groups whose CPU time to read around it."""
     fleet.reset()
     before = fleet.counters()
+    h0 = [histograms(u) for u in fleet.urls]
+    c0 = _cpu(groups or {})
     outcomes, wall = asyncio.run(loadgen.run(urls, w, dataclasses.replace(cfg, label=f"{w.name}/{name}")))
+    c1 = _cpu(groups or {})
+    h1 = [histograms(u) for u in fleet.urls]
     after = fleet.counters()
     if trace is not None:
         trace.write_text(
@@ -168,6 +207,9 @@ def measure(
         s.ttft_p90,
         s.errors,
         split,
+        statistics.fmean([o.ttft for o in outcomes if o.ok] or [0.0]),
+        [_engine(a, b) for a, b in zip(h1, h0, strict=True)],
+        {k: c1[k] - c0[k] for k in c0},
     )
 
 
@@ -193,19 +235,35 @@ def run_all(
     warm_up(fleet, rate)
     for rep in range(repeats):
         ws = [w for w in workloads(seed=0) if w.name in only]
-        for name in routers:
+        # Each repeat starts with the next router: a router always run first (or last) would
+        # carry whatever the position costs (the machine's other load drifting over a repeat).
+        k = rep % len(routers)
+        for name in [*routers[k:], *routers[:k]]:
             policy, args = picker_variant(name, fleet)
-            with router(name, fleet, run_dir / f"r{rep}", picker_args=args, policy=policy) as urls:
+            routed: list[Procs] = []
+            with router(
+                name, fleet, run_dir / f"r{rep}", picker_args=args, policy=policy, started=routed.append
+            ) as urls:
+                groups = {f"vllm-{i}": [p.pid] for i, (_, p) in enumerate(fleet.children.procs)}
+                groups["router"] = [p.pid for c in routed for _, p in c.procs]
                 for w in ws:
                     cfg = loadgen.LoadConfig(mode="poisson", rate=rate, model=MODEL, seed=rep, progress=False)
                     trace = run_dir / f"r{rep}" / name / f"{w.name}.jsonl"
-                    r = measure(name, urls, fleet, w, cfg, rep, trace)
+                    r = measure(name, urls, fleet, w, cfg, rep, trace, groups)
                     runs.append(r)
                     print(
                         f"[real] rep {rep} {w.name:<14} {name:<14} hit {r.hit_rate:.3f}  TTFT p50 {r.ttft_p50:.3f} "
-                        f"p90 {r.ttft_p90:.3f}  split {r.split}  errors {r.errors}",
+                        f"p90 {r.ttft_p90:.3f} mean {r.ttft_mean:.3f}  split {r.split}  errors {r.errors}",
                         flush=True,
                     )
+                    for i, e in enumerate(r.engine):
+                        print(
+                            f"[real]   engine {i}: n {e['n']:.0f}  queue mean {e['queue_mean']:.3f} p90 {e['queue_p90']:.3f}"
+                            f"  ttft mean {e['ttft_mean']:.3f} p90 {e['ttft_p90']:.3f}"
+                            f"  prefill mean {e['prefill_mean']:.3f} p90 {e['prefill_p90']:.3f}",
+                            flush=True,
+                        )
+                    print("[real]   cpu s " + "  ".join(f"{k} {v:.2f}" for k, v in r.cpu.items()), flush=True)
     return runs
 
 

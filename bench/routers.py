@@ -15,7 +15,7 @@ import contextlib
 import pathlib
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import orjson
 
@@ -85,6 +85,7 @@ def router(
     picker_config: str | None = None,
     picker_args: Sequence[str] = (),
     policy: str | None = None,
+    started: Callable[[Procs], None] | None = None,
 ) -> Iterator[list[str]]:
     """Start ``name`` in front of ``fleet``; yields the URLs to send to (one, or the replicas).
     Any name that is not ``direct`` or a peer is a picker policy (built in, or defined in
@@ -102,6 +103,8 @@ def router(
         else:
             url = _picker_envoy(policy or name, fleet, children, picker_config, picker_args)
         wait_routable(url, fleet.cfg.model, children)
+        if started is not None:
+            started(children)
         yield [url]
     finally:
         children.stop()
