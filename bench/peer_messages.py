@@ -1,0 +1,166 @@
+"""``python -m bench.peer_messages``: what one message a picker receives costs it in CPU, the work
+every extra picker replica repeats (issue 10).
+
+Each kind is sent from another process over real ZMQ on loopback, one message every ``--gap-ms``
+(spaced as a replica's steps and a peer's picks arrive at a moderate request rate, so each one wakes
+the receiver on its own), and received by the picker's own code in an asyncio loop:
+
+- ``kv-event``: a ``BlockStored`` batch of ``--blocks`` blocks of 16 tokens (vLLM's wire format)
+  into :class:`~picker.core.prefix.events.Subscriber` and the precise index;
+- ``pick``: a peer's pick of as many blocks, with its load report, into
+  :class:`~picker.core.peers.Peers`;
+- ``load``: a peer's load report over 4 endpoints.
+
+Reported: the receiving process's CPU (user + system, all its threads: the event loop and ZMQ's I/O
+thread) per message, and beside it the same decoding and indexing called back to back in a loop
+(``in a loop``): the difference is what being woken for each message costs (the event loop's round,
+ZMQ's I/O thread, caches gone cold in between). Medians over ``--repeats`` runs with [min-max].
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import random
+import resource
+import statistics
+import time
+from collections.abc import Callable
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from kvlaunch import free_port
+from picker.core.config import PrefixConfig, RouterConfig
+from picker.core.endpoints.pool import Pool
+from picker.core.endpoints.types import Endpoint
+from picker.core.peers import Peers
+from picker.core.prefix.events import State, Subscriber, Sync, apply, decode_batch
+from picker.core.prefix.precise import PreciseIndex
+from picker.core.router import Router
+
+BS = 16
+EPS = [Endpoint(f"10.0.0.{i + 1}", 8000) for i in range(4)]
+KINDS = ("kv-event", "pick", "load")
+
+
+def _messages(kind: str, n: int, blocks: int) -> list[list[bytes]]:
+    rng = random.Random(0)
+    out: list[list[bytes]] = []
+    for i in range(n):
+        keys = [i * blocks + b + 1 for b in range(blocks)]
+        if kind == "kv-event":
+            event = {
+                "type": "BlockStored", "block_hashes": keys, "parent_block_hash": None,
+                "token_ids": [rng.randrange(32000) for _ in range(blocks * BS)], "block_size": BS,
+                "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
+            }  # fmt: skip
+            out.append([b"", i.to_bytes(8, "big"), msgpack.packb([time.time(), [event]])])
+        elif kind == "pick":
+            report = {EPS[0].key: [1 + i % 3, 1000]}
+            body = msgpack.packb(["peer", EPS[i % 4].key, keys, keys, report], use_bin_type=True)
+            out.append([b"pick", body])
+        else:
+            report = {e.key: [i % 3, 1000 + i] for e in EPS}
+            out.append([b"load", msgpack.packb(["peer", report])])
+    return out
+
+
+def _send(url: str, kind: str, n: int, blocks: int, gap_s: float) -> None:
+    msgs = _messages(kind, n, blocks)
+    sock = zmq.Context().socket(zmq.PUB)
+    sock.bind(url)
+    time.sleep(1.0)  # slow joiner
+    for m in msgs:
+        sock.send_multipart(m)
+        time.sleep(gap_s)
+    time.sleep(0.5)
+    sock.close(linger=0)
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _router() -> Router:
+    pool = Pool()
+    pool.set_endpoints(EPS)
+    r = Router(RouterConfig(prefix=PrefixConfig(mode="precise", block_size=BS)), pool)
+    for s in pool:
+        r.syncs[s.key] = Sync(State.SYNCED, expected=0)
+    return r
+
+
+async def _receive(kind: str, url: str, n: int) -> float:
+    """CPU ms per message received after the first few (the slow joiner's are not counted)."""
+    if kind == "kv-event":
+        sub = Subscriber(EPS[0].key, PreciseIndex(), url, ctx=zmq.asyncio.Context())
+        count: Callable[[], int] = lambda: sub.sync.expected or 0  # noqa: E731
+        task = asyncio.create_task(sub.run())
+    else:
+        peers = Peers(_router(), f"tcp://127.0.0.1:{free_port()}", [url], "me", load_interval_s=3600)
+        count = lambda: peers.received  # noqa: E731
+        task = asyncio.create_task(peers.run())
+    while count() < 5:
+        await asyncio.sleep(0.01)
+    c0, n0 = _cpu(), count()
+    while count() < n:
+        await asyncio.sleep(0.05)
+    ms = (_cpu() - c0) / (count() - n0) * 1000
+    task.cancel()
+    return ms
+
+
+def _in_a_loop(kind: str, n: int, blocks: int) -> float:
+    msgs = _messages(kind, n, blocks)
+    if kind == "kv-event":
+        index = PreciseIndex()
+        t0 = time.process_time()
+        for m in msgs:
+            apply(index, EPS[0].key, decode_batch(m[2]))
+    else:
+        peers = Peers(_router(), f"tcp://127.0.0.1:{free_port()}", [], "me")
+        take = peers.apply if kind == "pick" else peers.apply_load
+        t0 = time.process_time()
+        for m in msgs:
+            assert take(m[1]), f"the {kind} message was refused"
+        peers.close()
+    return (time.process_time() - t0) / n * 1000
+
+
+def measure(kind: str, n: int, blocks: int, gap_s: float) -> tuple[float, float]:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    sender = multiprocessing.Process(target=_send, args=(url, kind, n, blocks, gap_s))
+    sender.start()
+    try:
+        woken = asyncio.run(_receive(kind, url, n))
+    finally:
+        sender.join(timeout=60)
+    return woken, _in_a_loop(kind, n, blocks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.peer_messages", description=__doc__)
+    p.add_argument("--messages", type=int, default=1000)
+    p.add_argument("--blocks", type=int, default=68, help="blocks per KV-event batch and per pick")
+    p.add_argument("--gap-ms", type=float, default=4.0)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args(argv)
+    print(f"| message ({a.blocks} blocks) | CPU ms per message, received | in a loop |")
+    print("|---|---|---|")
+    for kind in KINDS:
+        runs = [measure(kind, a.messages, a.blocks, a.gap_ms / 1000) for _ in range(a.repeats)]
+        woken, loop = [r[0] for r in runs], [r[1] for r in runs]
+        print(
+            f"| {kind} | {statistics.median(woken):.3f} [{min(woken):.3f}-{max(woken):.3f}] | "
+            f"{statistics.median(loop):.3f} [{min(loop):.3f}-{max(loop):.3f}] |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
