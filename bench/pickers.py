@@ -2,13 +2,16 @@
 in precise mode, sharing picks and in-flight load over the peer channel, in front of simulated
 replicas that publish KV events (each on its own loopback address, one port, as pods).
 
-    python -m bench.pickers --pickers 1,2,3 --repeats 3            # the scaling table
+    python -m bench.pickers --pickers 1,2,3,3:1 --repeats 3        # the scaling table
     python -m bench.pickers --workload mooncake --repeats 3        # the same on the Mooncake trace
     python -m bench.pickers --failover --repeats 3                 # SIGKILL 1 of 3 under load
 
 Scaling: a shared-prefix workload (text prompts; the pickers have no tokenizer, so each new
-prompt's ids come from a replica's vLLM-style ``/tokenize``) at a fixed Poisson rate. Per case:
-the pickers' CPU per request (utime + stime from ``/proc`` of every picker process tree, summed),
+prompt's ids come from a replica's vLLM-style ``/tokenize``) at a fixed Poisson rate. A case is
+``N`` pickers, or ``N:K``: N pickers of which Envoy routes to K (the others subscribe and share but
+decide nothing: the duplicated work and the machine's contention with one picker's routing). Per
+case: the pickers' CPU per request (utime + stime from ``/proc`` of every picker process tree, summed;
+net of each picker's idle rate, the mean of the rates measured just before and just after the run),
 the hit rate (the replicas' ``cached_tokens`` / ``prompt_tokens``), TTFT p50 / p90 and the achieved
 throughput. The cases are interleaved within each repeat (1, 2, 3, 1, 2, 3, ...), fresh pickers and
 emptied replica caches for each, so machine noise falls on all of them alike.
