@@ -54,11 +54,17 @@ class Hist:
         return self.total / self.count if self.count else 0.0
 
 
-def histograms(url: str) -> dict[str, Hist]:
-    """The replica at ``url``'s :data:`ENGINE_HISTOGRAMS`."""
+PICKER_HISTOGRAMS = {"pick": "inference_extension_scheduler_e2e_duration_seconds"}
+"""The picker's own time per pick (parse, hash, score, pick; not the tokenization before it)."""
+
+
+def histograms(url: str, names: dict[str, str] | None = None) -> dict[str, Hist]:
+    """The ``/metrics`` at ``url``: its histograms ``names`` (short name -> metric; default
+    :data:`ENGINE_HISTOGRAMS`)."""
+    names = ENGINE_HISTOGRAMS if names is None else names
     _, text, _ = http("GET", url + "/metrics")
-    wanted = {v: k for k, v in ENGINE_HISTOGRAMS.items()}
-    out = {k: Hist() for k in ENGINE_HISTOGRAMS}
+    wanted = {v: k for k, v in names.items()}
+    out = {k: Hist() for k in names}
     for fam in text_string_to_metric_families(text.decode()):
         key = wanted.get(fam.name)
         if key is None:

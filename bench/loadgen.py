@@ -1,7 +1,9 @@
 """Streaming load generator (aiohttp): open loop (Poisson or trace timestamps) or closed loop.
 
-Every request is a streamed ``/v1/completions`` with ``stream_options.include_usage``; the
-outcome records TTFT (first chunk carrying a choice: vLLM streams one per token even when the
+Every request is a streamed ``/v1/completions`` with ``stream_options.include_usage`` and an
+``x-request-id`` (``LABEL-INDEX``, a fresh random label per run) that Envoy, the peers and vLLM
+carry into their own logs and traces (``bench.split`` joins them on it); the outcome records the
+id, the wall-clock send time, TTFT (first chunk carrying a choice: vLLM streams one per token even when the
 token's text is empty, as a partial UTF-8 sequence of the tiny model's byte-level BPE is), the gaps between text chunks (ITL), end-to-end
 latency, ``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens``, or the error.
 
@@ -15,6 +17,7 @@ import asyncio
 import itertools
 import random
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -51,6 +54,10 @@ class Outcome:
     error: str = ""
     sent_at: float = 0.0
     """Seconds after the run started."""
+    request_id: str = ""
+    """The ``x-request-id`` it was sent with."""
+    sent_wall: float = 0.0
+    """``time.time()`` just before it was sent: the clock Envoy's access log and vLLM's traces use."""
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -84,10 +91,12 @@ async def send(http: aiohttp.ClientSession, url: str, req: Req, o: Outcome, mode
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    headers = {**_JSON, "x-request-id": o.request_id} if o.request_id else _JSON
+    o.sent_wall = time.time()
     t0 = time.perf_counter()
     last = 0.0
     try:
-        async with http.post(url + "/v1/completions", data=orjson.dumps(body), headers=_JSON) as resp:
+        async with http.post(url + "/v1/completions", data=orjson.dumps(body), headers=headers) as resp:
             if resp.status != 200:
                 o.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return
@@ -124,7 +133,8 @@ _JSON = {"content-type": "application/json"}
 async def run(urls: list[str], w: Workload, cfg: LoadConfig) -> tuple[list[Outcome], float]:
     """Send the workload; returns the outcomes (in request order) and the run's wall time."""
     assert urls, "no target URL"
-    outcomes = [Outcome(i) for i in range(len(w.requests))]
+    run_id = uuid.uuid4().hex[:12]
+    outcomes = [Outcome(i, request_id=f"{run_id}-{i}") for i in range(len(w.requests))]
     finished = [asyncio.Event() for _ in w.requests]
     next_url: Callable[[], str] = itertools.cycle(urls).__next__
     bar = tqdm(

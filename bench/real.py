@@ -18,7 +18,16 @@ the table gives medians over repeats with [min–max]. A router named ``BASE+FLA
 with the picker flag ``--FLAG VALUE`` added (``cost+scrape-interval=1.0``). Per router and workload
 the run also prints vLLM's own view of the window's requests per replica (``vllm:request_queue_time_seconds``,
 ``vllm:time_to_first_token_seconds``, ``vllm:request_prefill_time_seconds``: mean and p90 of the
-histogram deltas) and the CPU seconds of the router's and each replica's process groups.
+histogram deltas), the CPU seconds of the router's and each replica's process groups, and their
+run-queue wait (``bench.split.schedstat``: time runnable but not running, per request).
+
+``--split`` joins each request's own records on its ``x-request-id`` (``bench.split``): the
+client's, Envoy's access log (kvpick; ``render.py --access-log --preserve-request-id``) and vLLM's
+``llm_request`` span (``--otlp-traces-endpoint`` to a receiver in this process), and prints the
+median of each piece of the client's TTFT per router and workload (and writes them per request to
+``rREPEAT/ROUTER/WORKLOAD.split.jsonl``). ``--engine-nice N`` runs both vLLM engines (the engine
+core processes and their OpenMP threads, not the API servers) at nice ``N``, for every router
+alike: what a router's processes get when the engines do not take their cores first.
 
 Workloads (prompt lengths in the tiny tokenizer's tokens, about 3.9 per generated word):
 
@@ -42,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -51,15 +61,19 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvlaunch import Procs, free_port, http
+from kvlaunch import Procs, Stack, free_port, http
 from replica.vllm.tiny import ENV, build_tiny, command, cpu_binding
 
-from . import loadgen, stats
-from .engine_view import Hist, group_cpu, histograms
+from . import loadgen, split, stats
+from .engine_view import PICKER_HISTOGRAMS, Hist, group_cpu, histograms
 from .fleet import Fleet, FleetConfig
 from .routers import PEERS, router
 from .workloads import Workload, multi_turn, no_sharing, shared_prefix
+
+if TYPE_CHECKING:
+    from .otlp import TraceSink
 
 MODEL = "tiny"
 KV_EVENTS = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv"}
@@ -79,16 +93,27 @@ class VllmFleet(Fleet):
     model_dir: pathlib.Path = pathlib.Path()
     events_port: int = 0
     """Replica ``r`` publishes its KV events on this port + ``r``."""
+    traces: str = ""
+    """An OTLP/gRPC endpoint for vLLM's per-request spans (``bench.split``), or none."""
 
     def start(self) -> None:
         assert self.cfg.replicas <= 2, "free_port() promises only port + 1 free: 2 replicas' event ports"
         os.environ.update(ENV)  # inherited by the children
+        traced = ["--otlp-traces-endpoint", self.traces] if self.traces else []
+        if self.traces:
+            os.environ.update(split.ENV)
         self.ports = [free_port() for _ in range(self.cfg.replicas)]
         self.events_port = free_port()
         for i, port in enumerate(self.ports):
             events = {**KV_EVENTS, "endpoint": f"tcp://*:{self.events_port + i}"}
             args = command(
-                self.model_dir, port, "--served-model-name", MODEL, "--kv-events-config", json.dumps(events)
+                self.model_dir,
+                port,
+                "--served-model-name",
+                MODEL,
+                "--kv-events-config",
+                json.dumps(events),
+                *traced,
             )
             self.children.start(f"vllm-{i}", args, cpu_binding(i))
         deadline = time.monotonic() + 600
@@ -155,6 +180,14 @@ class Run:
     ``engine_view.ENGINE_HISTOGRAMS``, its mean and p90 (bucket upper bound)."""
     cpu: dict[str, float] = field(default_factory=dict)
     """CPU seconds over the window: ``router`` (its whole process groups), ``vllm-R``."""
+    wait: dict[str, float] = field(default_factory=dict)
+    """Run-queue wait over the window, milliseconds per request: ``router``, ``vllm-R``, and
+    each by process name (``router/envoy``)."""
+    pieces: dict[str, float] = field(default_factory=dict)
+    """``bench.split.summarize`` of the window's requests (``--split``), seconds."""
+    pick_ms: float = 0.0
+    """The picker's mean time per pick (its ``scheduler_e2e`` histogram), ms; 0 for the peers."""
+    engine_nice: int = 0
 
 
 def _engine(after: dict[str, Hist], before: dict[str, Hist]) -> dict[str, float]:
@@ -171,6 +204,63 @@ def _cpu(groups: dict[str, list[int]]) -> dict[str, float]:
     return {name: sum(group_cpu(g) for g in pgids) for name, pgids in groups.items()}
 
 
+def _wait(groups: dict[str, list[int]]) -> dict[str, split.SchedStat]:
+    return {name: split.schedstat(pgids) for name, pgids in groups.items()}
+
+
+def _waits(before: dict[str, split.SchedStat], after: dict[str, split.SchedStat], n: int) -> dict[str, float]:
+    """Run-queue wait per request (ms) by group, and by ``group/process name``."""
+    out: dict[str, float] = {}
+    for k in before:
+        d = after[k].minus(before[k])
+        out[k] = d.wait_ns / 1e6 / max(1, n)
+        out |= {f"{k}/{comm}": ns / 1e6 / max(1, n) for comm, ns in d.by_comm.items()}
+    return out
+
+
+@dataclass
+class Probes:
+    """What to read around a window besides the replicas' counters."""
+
+    groups: dict[str, list[int]] = field(default_factory=dict)
+    """Process groups whose CPU and run-queue wait to read: ``router``, ``vllm-R``."""
+    sink: TraceSink | None = None
+    """vLLM's spans (``--split``)."""
+    access_log: pathlib.Path | None = None
+    """Envoy's access log (``--split``, kvpick)."""
+    picker_metrics: str = ""
+    """The picker's metrics URL (kvpick)."""
+
+
+def _pick_hist(p: Probes) -> Hist:
+    return histograms(p.picker_metrics, PICKER_HISTOGRAMS)["pick"] if p.picker_metrics else Hist()
+
+
+def _split(outcomes: list[loadgen.Outcome], p: Probes, out: pathlib.Path | None) -> dict[str, float]:
+    """Each request's pieces (``bench.split``), written to ``out``; their medians."""
+    if p.sink is None:
+        return {}
+    spans = p.sink.wait_for(o.request_id for o in outcomes if o.ok)
+    envoy: dict[str, dict[str, object]] = {}
+    if p.access_log is not None:  # Envoy's file logger flushes about every second
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            envoy = split.access_log(p.access_log)
+            if all(o.request_id in envoy for o in outcomes if o.ok):
+                break
+            time.sleep(0.25)
+    segs: list[dict[str, float]] = []
+    rows = []
+    for o in outcomes:
+        seg = split.segments(o, spans.get(o.request_id), envoy.get(o.request_id) if p.access_log else None)
+        if seg is not None:
+            segs.append(seg)
+            rows.append(json.dumps({"index": o.index, "id": o.request_id, **seg}) + "\n")
+    if out is not None:
+        out.write_text("".join(rows), encoding="utf-8")
+    return split.summarize(segs)
+
+
 def measure(
     name: str,
     urls: list[str],
@@ -179,18 +269,22 @@ def measure(
     cfg: loadgen.LoadConfig,
     repeat: int,
     trace: pathlib.Path | None = None,
-    groups: dict[str, list[int]] | None = None,
+    probes: Probes | None = None,
 ) -> Run:
     """One router on one workload; each request's outcome (TTFT, cached tokens) goes to ``trace``
-    as JSON lines when given. ``groups``: process groups whose CPU time to read around it."""
+    as JSON lines when given (and its split to ``*.split.jsonl`` beside it, with ``--split``)."""
+    p = probes or Probes()
     fleet.reset()
     before = fleet.counters()
     h0 = [histograms(u) for u in fleet.urls]
-    c0 = _cpu(groups or {})
+    k0 = _pick_hist(p)
+    c0, s0 = _cpu(p.groups), _wait(p.groups)
     outcomes, wall = asyncio.run(loadgen.run(urls, w, dataclasses.replace(cfg, label=f"{w.name}/{name}")))
-    c1 = _cpu(groups or {})
+    c1, s1 = _cpu(p.groups), _wait(p.groups)
+    k1 = _pick_hist(p)
     h1 = [histograms(u) for u in fleet.urls]
     after = fleet.counters()
+    pieces = _split(outcomes, p, trace.with_suffix(".split.jsonl") if trace else None)
     if trace is not None:
         trace.write_text(
             "".join(json.dumps(dataclasses.asdict(o)) + "\n" for o in outcomes), encoding="utf-8"
@@ -210,6 +304,9 @@ def measure(
         statistics.fmean([o.ttft for o in outcomes if o.ok] or [0.0]),
         [_engine(a, b) for a, b in zip(h1, h0, strict=True)],
         {k: c1[k] - c0[k] for k in c0},
+        _waits(s0, s1, len(outcomes)),
+        pieces,
+        k1.minus(k0).mean() * 1e3,
     )
 
 
@@ -223,6 +320,50 @@ def warm_up(fleet: Fleet, rate: float) -> None:
     fleet.reset()
 
 
+@dataclass
+class Options:
+    """How ``run_all`` measures (module doc): ``sink`` with ``--split``; ``engine_nice``: the
+    engines' nice values, each router's every workload measured once at each, in turn (a router
+    is then reported as ``NAME@niceN``)."""
+
+    sink: TraceSink | None = None
+    engine_nice: tuple[int, ...] = (0,)
+
+
+def _renice(fleet: VllmFleet, nice: int) -> None:
+    for _, proc in fleet.children.procs:
+        split.renice_engines(proc.pid, nice)
+
+
+def _report(r: Run) -> None:
+    print(
+        f"[real] rep {r.repeat} {r.workload:<14} {r.router:<20} hit {r.hit_rate:.3f}  TTFT p50 {r.ttft_p50:.3f} "
+        f"p90 {r.ttft_p90:.3f} mean {r.ttft_mean:.3f}  split {r.split}  errors {r.errors}",
+        flush=True,
+    )
+    for i, e in enumerate(r.engine):
+        print(
+            f"[real]   engine {i}: n {e['n']:.0f}  queue mean {e['queue_mean']:.3f} p90 {e['queue_p90']:.3f}"
+            f"  ttft mean {e['ttft_mean']:.3f} p90 {e['ttft_p90']:.3f}"
+            f"  prefill mean {e['prefill_mean']:.3f} p90 {e['prefill_p90']:.3f}",
+            flush=True,
+        )
+    print("[real]   cpu s " + "  ".join(f"{k} {v:.2f}" for k, v in r.cpu.items()), flush=True)
+    print(
+        "[real]   run-queue wait ms/request "
+        + "  ".join(f"{k} {v:.2f}" for k, v in r.wait.items())
+        + (f"  pick {r.pick_ms:.2f} ms" if r.pick_ms else ""),
+        flush=True,
+    )
+    if r.pieces:
+        print(
+            "[real]   split (medians, ms) "
+            + "  ".join(f"{k} {v * 1e3:.1f}" for k, v in r.pieces.items() if k != "n")
+            + f"  n {r.pieces['n']:.0f}",
+            flush=True,
+        )
+
+
 def run_all(
     fleet: VllmFleet,
     routers: Sequence[str],
@@ -230,8 +371,11 @@ def run_all(
     rate: float,
     run_dir: pathlib.Path,
     only: Sequence[str] = WORKLOADS,
+    opts: Options | None = None,
 ) -> list[Run]:
+    opts = opts or Options()
     runs: list[Run] = []
+    _renice(fleet, opts.engine_nice[0])
     warm_up(fleet, rate)
     for rep in range(repeats):
         ws = [w for w in workloads(seed=0) if w.name in only]
@@ -241,29 +385,38 @@ def run_all(
         for name in [*routers[k:], *routers[:k]]:
             policy, args = picker_variant(name, fleet)
             routed: list[Procs] = []
+            stacks: list[Stack] = []
+            log = run_dir / f"r{rep}" / name / "access.log"
+            envoy_args = ["--access-log", str(log), "--preserve-request-id"] if opts.sink else []
             with router(
-                name, fleet, run_dir / f"r{rep}", picker_args=args, policy=policy, started=routed.append
+                name,
+                fleet,
+                run_dir / f"r{rep}",
+                picker_args=args,
+                policy=policy,
+                started=routed.append,
+                envoy_args=envoy_args,
+                stack_seen=stacks.append,
             ) as urls:
-                groups = {f"vllm-{i}": [p.pid] for i, (_, p) in enumerate(fleet.children.procs)}
-                groups["router"] = [p.pid for c in routed for _, p in c.procs]
+                probes = Probes(
+                    {f"vllm-{i}": [p.pid] for i, (_, p) in enumerate(fleet.children.procs)},
+                    opts.sink,
+                    log if opts.sink and stacks else None,
+                    f"http://127.0.0.1:{stacks[0].metrics_port}" if stacks else "",
+                )
+                probes.groups["router"] = [p.pid for c in routed for _, p in c.procs]
                 for w in ws:
-                    cfg = loadgen.LoadConfig(mode="poisson", rate=rate, model=MODEL, seed=rep, progress=False)
-                    trace = run_dir / f"r{rep}" / name / f"{w.name}.jsonl"
-                    r = measure(name, urls, fleet, w, cfg, rep, trace, groups)
-                    runs.append(r)
-                    print(
-                        f"[real] rep {rep} {w.name:<14} {name:<14} hit {r.hit_rate:.3f}  TTFT p50 {r.ttft_p50:.3f} "
-                        f"p90 {r.ttft_p90:.3f} mean {r.ttft_mean:.3f}  split {r.split}  errors {r.errors}",
-                        flush=True,
-                    )
-                    for i, e in enumerate(r.engine):
-                        print(
-                            f"[real]   engine {i}: n {e['n']:.0f}  queue mean {e['queue_mean']:.3f} p90 {e['queue_p90']:.3f}"
-                            f"  ttft mean {e['ttft_mean']:.3f} p90 {e['ttft_p90']:.3f}"
-                            f"  prefill mean {e['prefill_mean']:.3f} p90 {e['prefill_p90']:.3f}",
-                            flush=True,
+                    for nice in opts.engine_nice:
+                        _renice(fleet, nice)
+                        label = f"{name}@nice{nice}" if len(opts.engine_nice) > 1 else name
+                        cfg = loadgen.LoadConfig(
+                            mode="poisson", rate=rate, model=MODEL, seed=rep, progress=False
                         )
-                    print("[real]   cpu s " + "  ".join(f"{k} {v:.2f}" for k, v in r.cpu.items()), flush=True)
+                        trace = run_dir / f"r{rep}" / name / f"{w.name}@nice{nice}.jsonl"
+                        r = measure(label, urls, fleet, w, cfg, rep, trace, probes)
+                        r.engine_nice = nice
+                        runs.append(r)
+                        _report(r)
     return runs
 
 
@@ -291,6 +444,33 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def split_table(runs: list[Run]) -> str:
+    """Per workload and router: each piece's per-request median (``bench.split``), as the median
+    over repeats [min–max] in ms, with the run-queue wait per request and the picker's pick time."""
+    lines = []
+    for w in dict.fromkeys(r.workload for r in runs if r.pieces):
+        lines += [
+            f"\n### {w}: per-request split, ms (median of per-request medians over repeats [min–max])\n",
+            "| router | " + " | ".join(split.PIECES) + " | pick | router wait/req | vLLM wait/req |",
+            "|---|" + "---|" * (len(split.PIECES) + 3),
+        ]
+        for name in dict.fromkeys(r.router for r in runs):
+            rs = [r for r in runs if r.workload == w and r.router == name and r.pieces]
+            if not rs:
+                continue
+            cells = [_cell([r.pieces[k] * 1e3 for r in rs], ".1f") for k in split.PIECES]
+            vllm_wait = [
+                sum(v for k, v in r.wait.items() if k.startswith("vllm") and "/" not in k) for r in rs
+            ]
+            cells += [
+                _cell([r.pick_ms for r in rs], ".2f"),
+                _cell([r.wait.get("router", 0.0) for r in rs], ".2f"),
+                _cell(vllm_wait, ".1f"),
+            ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n" if lines else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.real", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -302,18 +482,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the markdown table here")
     p.add_argument("--json", default=None)
     p.add_argument("--model-dir", default=None, help="where the tiny model is built (default: a temp dir)")
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="per-request split of TTFT (client, Envoy's access log, vLLM's spans), joined on x-request-id",
+    )
+    p.add_argument(
+        "--engine-nice",
+        default="0",
+        help="run the vLLM engine cores (not their API servers) at this nice value, for every router; "
+        "several (0,19): each window is measured at each in turn, side by side",
+    )
     a = p.parse_args(argv)
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvpick-real-"))
     model_dir = build_tiny(pathlib.Path(a.model_dir) if a.model_dir else run_dir)
     children = Procs(run_dir)
     fleet = VllmFleet(FleetConfig(replicas=2, model=MODEL), children, model_dir=model_dir)
     t0 = time.monotonic()
-    try:
+    with contextlib.ExitStack() as cleanup:
+        sink = cleanup.enter_context(split.trace_sink()) if a.split else None
+        fleet.traces = sink.endpoint if sink else ""
+        cleanup.callback(children.stop)
         fleet.start()
-        runs = run_all(fleet, a.routers.split(","), a.repeats, a.rate, run_dir, a.workloads.split(","))
-    finally:
-        children.stop()
-    text = table(runs)
+        opts = Options(sink, tuple(int(n) for n in a.engine_nice.split(",")))
+        runs = run_all(fleet, a.routers.split(","), a.repeats, a.rate, run_dir, a.workloads.split(","), opts)
+    text = table(runs) + split_table(runs)
+    if a.engine_nice != "0":
+        text += f"\n(vLLM engine cores at nice {a.engine_nice}.)\n"
     print(text)
     print(f"[real] {time.monotonic() - t0:.0f} s; logs in {run_dir}")
     if a.out:

@@ -30,9 +30,15 @@ _VENV_BIN = pathlib.Path(PY).parent
 
 
 def _picker_envoy(
-    policy: str, fleet: Fleet, procs: Procs, config: str | None, picker_args: Sequence[str]
-) -> str:
-    """Our picker behind Envoy (the shared launcher), Envoy in pool mode over the fleet."""
+    policy: str,
+    fleet: Fleet,
+    procs: Procs,
+    config: str | None,
+    picker_args: Sequence[str],
+    envoy_args: Sequence[str] = (),
+) -> Stack:
+    """Our picker behind Envoy (the shared launcher), Envoy in pool mode over the fleet and
+    ``envoy_args`` (more ``render.py`` flags)."""
     st = Stack(procs, fleet.ports)
     st.start_picker(
         "--policy",
@@ -43,8 +49,8 @@ def _picker_envoy(
         *picker_args,
         debug=False,
     )
-    st.start_envoy("--upstream", "pool", "--endpoints", ",".join(st.addresses))
-    return st.url
+    st.start_envoy("--upstream", "pool", "--endpoints", ",".join(st.addresses), *envoy_args)
+    return st
 
 
 def start_peer(name: str, worker_urls: list[str], procs: Procs) -> tuple[str, subprocess.Popen[bytes]]:
@@ -86,11 +92,14 @@ def router(
     picker_args: Sequence[str] = (),
     policy: str | None = None,
     started: Callable[[Procs], None] | None = None,
+    envoy_args: Sequence[str] = (),
+    stack_seen: Callable[[Stack], None] | None = None,
 ) -> Iterator[list[str]]:
     """Start ``name`` in front of ``fleet``; yields the URLs to send to (one, or the replicas).
     Any name that is not ``direct`` or a peer is a picker policy (built in, or defined in
     ``picker_config``, the picker's ``--config-file``), or names a picker variant run with the
-    policy ``policy`` and the further flags ``picker_args``."""
+    policy ``policy`` and the further flags ``picker_args``; Envoy gets ``envoy_args`` (more
+    ``render.py`` flags) and the picker's :class:`Stack` goes to ``stack_seen``."""
     if name == "direct":
         yield fleet.urls
         return
@@ -101,7 +110,10 @@ def router(
         if name in PEERS:
             url, _ = start_peer(name, fleet.urls, children)
         else:
-            url = _picker_envoy(policy or name, fleet, children, picker_config, picker_args)
+            st = _picker_envoy(policy or name, fleet, children, picker_config, picker_args, envoy_args)
+            url = st.url
+            if stack_seen is not None:
+                stack_seen(st)
         wait_routable(url, fleet.cfg.model, children)
         if started is not None:
             started(children)

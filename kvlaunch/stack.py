@@ -102,6 +102,7 @@ class Stack:
         path = self.procs.run_dir / "envoy.yaml"
         path.write_text(text)
         cmd = [ENVOY, "-c", str(path), "-l", "warning", "--concurrency", "2", "--disable-hot-restart"]
+        cmd += ["--file-flush-interval-msec", "250"]  # an access log (render.py) is read right after
         proc = self.procs.start("envoy", cmd)
         wait_port(self.envoy_port, procs=self.procs, proc=proc)
         return proc

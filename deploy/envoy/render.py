@@ -85,6 +85,18 @@ stream or a reset before the picker answered anything (checked on Envoy 1.40: a 
 SIGKILLed is retried on a live one, as ``tests/precise/test_three_pickers.py`` shows). What remains is the
 requests whose stream was already on the killed picker: they follow the failure mode.
 
+Access log (``--access-log PATH``; off by default, for benchmarks): one JSON line per request,
+keyed by ``x-request-id``, with Envoy's timings of it (microseconds from the first byte received
+from the client, ``%COMMON_DURATION%``: to the last one, to the first byte sent to the model server,
+to the first byte back from it, to the first byte sent to the client) and the ext_proc filter's
+own per-call timings of the picker (``%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:...)%``:
+the gRPC round trip of the request-headers call and of the request-body calls). ``bench.split``
+reads it. Envoy writes the file out every 10 s unless started with ``--file-flush-interval-msec``
+(``kvlaunch.Stack`` sets 250 ms). Envoy replaces a client's ``x-request-id`` with its own (the client is external, as
+``use_remote_address`` makes every client); ``--preserve-request-id`` keeps the client's, so that one
+id names the request in the client's records, this log, the picker's and the model server's (off by
+default: an id is then the gateway's, unique, not whatever a client chose).
+
 Timeouts: no total route timeout (a generation may stream for many minutes); a stream with no bytes
 either way for ``--stream-idle-timeout`` (300 s, GIE's HTTPRoute request timeout) is reset; request
 headers must arrive in 10 s; idle downstream connections close after 300 s and idle upstream ones
@@ -489,6 +501,54 @@ def _too_large_reply(max_body_bytes: int) -> dict[str, Any]:
     }
 
 
+_EXT_PROC_FIELDS = (
+    "request_header_latency_us",
+    "request_body_call_count",
+    "request_body_total_latency_us",
+    "response_header_latency_us",
+)
+"""The ext_proc filter state's per-call timings the access log carries (Envoy's ext_proc docs,
+"Access Log Fields")."""
+_SPANS = {
+    "rx_end_us": "DS_RX_END",
+    "upstream_tx_us": "US_TX_BEG",
+    "upstream_rx_us": "US_RX_BEG",
+    "downstream_tx_us": "DS_TX_BEG",
+}
+"""Access-log key -> the point in the stream whose time after the first byte from the client
+(``DS_RX_BEG``) it records, in microseconds."""
+
+
+def access_log_format() -> dict[str, str]:
+    """The access log's JSON line (module doc): ``x-request-id``, the start time (Unix seconds),
+    the status, the host that served, and the timings."""
+    fmt = {
+        "id": "%REQ(X-REQUEST-ID)%",
+        "start": "%START_TIME(%s.%6f)%",
+        "status": "%RESPONSE_CODE%",
+        "upstream": "%UPSTREAM_HOST%",
+        "duration_ms": "%DURATION%",
+    }
+    fmt |= {k: f"%COMMON_DURATION(DS_RX_BEG:{point}:us)%" for k, point in _SPANS.items()}
+    fmt |= {
+        f"ext_proc_{f}": f"%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:{f})%" for f in _EXT_PROC_FIELDS
+    }
+    return fmt
+
+
+def _access_log(path: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": "envoy.access_loggers.file",
+            "typed_config": {
+                "@type": _T + "access_loggers.file.v3.FileAccessLog",
+                "path": path,
+                "log_format": {"json_format": access_log_format()},
+            },
+        }
+    ]
+
+
 def _hcm(
     routes: list[dict[str, Any]],
     ext_proc: dict[str, Any],
@@ -496,8 +556,10 @@ def _hcm(
     served: list[dict[str, Any]],
     max_body_bytes: int = MAX_BODY,
     objective_header: str = "pass",
+    access_log: str = "",
+    preserve_request_id: bool = False,
 ) -> dict[str, Any]:
-    return {
+    hcm: dict[str, Any] = {
         "@type": _T + "filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "kvpick",
         "codec_type": "AUTO",
@@ -523,6 +585,11 @@ def _hcm(
             },
         ],
     }
+    if access_log:
+        hcm["access_log"] = _access_log(access_log)
+    if preserve_request_id:
+        hcm["preserve_external_request_id"] = True
+    return hcm
 
 
 def _check(
@@ -564,6 +631,8 @@ def render(
     picker_health_interval: str = "0.5s",
     objective_header: str = "pass",
     stream_bodies_over: int | None = None,
+    access_log: str = "",
+    preserve_request_id: bool = False,
 ) -> dict[str, Any]:
     """The whole Envoy bootstrap. ``body_mode`` is the request body's; ``picker`` is one or more
     comma-separated ext_proc addresses; see the module doc."""
@@ -591,6 +660,8 @@ def render(
                             _report_served(),
                             max_body_bytes,
                             objective_header,
+                            access_log,
+                            preserve_request_id,
                         ),
                     }
                 ]
@@ -673,6 +744,17 @@ def parser() -> argparse.ArgumentParser:
         f"bytes, or of unknown size, to the picker; 0: buffer every body (default {STREAM_BODIES_OVER}; "
         "0 with fail-open, which cannot stream)",
     )
+    p.add_argument(
+        "--access-log",
+        default="",
+        help="write a JSON access log with per-request timings (Envoy's and ext_proc's) to this file "
+        "(default: none)",
+    )
+    p.add_argument(
+        "--preserve-request-id",
+        action="store_true",
+        help="keep the client's x-request-id instead of generating one (default: Envoy generates it)",
+    )
     p.add_argument("-o", "--output", default="-")
     return p
 
@@ -698,6 +780,8 @@ def main(argv: list[str] | None = None) -> int:
             picker_health_interval=a.picker_health_interval,
             objective_header=a.objective_header,
             stream_bodies_over=a.stream_bodies_over,
+            access_log=a.access_log,
+            preserve_request_id=a.preserve_request_id,
         )
     except ValueError as err:
         parser().error(str(err))
