@@ -27,14 +27,35 @@ ints, or it is dropped (counted in ``bad``). Our SUB sockets connect out to the 
 addresses only, so a pod that can reach our port cannot inject picks: it would have to be a peer.
 Sending never blocks (PUB drops at its high-water mark).
 
+They also share the scraping of the replicas' ``/metrics`` (:class:`~picker.core.scrape.ScrapeShare`):
+each endpoint is scraped by one picker, its owner by rendezvous hashing (the highest
+``xxh64(ident|endpoint)``) over this picker and the peers heard sharing scrapes in the last
+``share_ttl_s`` (1 s), and the owner sends every outcome (the metrics the router reads, or the
+failure) to the others, batched for ``share_flush_s`` (20 ms, one message per scrape round), or
+an empty batch ``load_heartbeat_s`` after its last: the heartbeat that keeps it an owner. A peer
+silent for ``share_ttl_s`` is dropped, and the endpoints it owned are scraped at once by their
+next owners. Alone, a picker owns every endpoint and scrapes as without peers.
+
+Wire, scrapes: ``[b"scrape", msgpack([sender id, [[endpoint key, age s, reason, metrics], ...]])]``,
+``metrics`` being :func:`~picker.core.scrape.metrics_to_wire`'s list (``None`` for a failed scrape,
+``reason`` then naming the failure; ``""`` otherwise) and ``age`` the seconds between the scrape and
+the send (the receiver dates it by its own clock). Mixed versions: a picker older than this
+subscribes to ``pick`` and ``load`` only, so the publisher filters ``scrape`` out before sending it
+any; it never sends one either, so the newer pickers never count it as an owner: it scrapes every
+endpoint itself, and they split the scrapes among themselves. A malformed batch is dropped whole.
+
 Discovery: the static ``peers`` addresses, plus, with ``peer_dns`` (``host:port``, e.g. a headless
 Service naming every picker pod), whatever that name resolves to, re-resolved every
 ``dns_interval_s`` (5 s): a new address is connected, a vanished one disconnected, so a restarted or
 added picker pod (a new IP) is heard within one interval and scaling needs no restart. Our own
 address may be among them: our own messages are recognised by ``ident`` and skipped.
 
-State: ``bad`` / ``received`` / ``picks`` / ``own`` counters, ``_loads`` (peer → (heard at, report)) and
-``discovered`` (addresses connected through ``peer_dns``), written by :meth:`run` and its tasks only; the ``peer_load`` of the pool's endpoint states, written only here.
+State: ``bad`` / ``received`` / ``picks`` / ``own`` counters, ``_loads`` (peer → (heard at, report)),
+``_sharers`` (peer → heard at, the scrape owners) and ``discovered`` (addresses connected through
+``peer_dns``), written by :meth:`run` and its tasks only; ``_pending`` (our outcomes not sent yet),
+written by :meth:`share` and emptied by :meth:`flush_scrapes`; the ``peer_load`` of the pool's
+endpoint states, written only here. Peers' scrape outcomes are handed to the
+:class:`~picker.core.scrape.Scraper`, the one writer of the endpoints' metrics and health.
 """
 
 from __future__ import annotations
@@ -49,14 +70,23 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgpack
+import xxhash
 import zmq
-import zmq.asyncio
 
+from picker.core.drain import Drain
 from picker.core.router import Router
+from picker.core.scrape import Outcome, Scraper, metrics_from_wire, metrics_to_wire
 
 log = logging.getLogger(__name__)
 TOPIC = b"pick"
 LOAD = b"load"
+SCRAPE = b"scrape"
+"""Topic of shared scrapes: it must not start with ``pick`` or ``load``, which older pickers
+subscribe to (a SUB filter matches a prefix)."""
+MAX_SHARED = 4096
+"""Outcomes in one shared-scrape batch; more and the batch is dropped."""
+MAX_IDENT = 256
+MAX_AGE_S = 60.0
 MAX_BLOCKS = 1 << 16
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 _INT60 = (1 << 60) - 1
@@ -87,6 +117,8 @@ class Peers:
         peer_dns: str = "",
         dns_interval_s: float = 5.0,
         resolver: Resolver = resolve,
+        share_ttl_s: float = 1.0,
+        share_flush_s: float = 0.02,
     ) -> None:
         self.router, self.peers, self.clock = router, list(peers), clock
         self.peer_dns, self.dns_interval_s, self.resolver = peer_dns, dns_interval_s, resolver
@@ -106,8 +138,20 @@ class Peers:
         self._last_report: tuple[float, dict[str, list[int]]] | None = None
         """(sent at, report) of our last load report; written by :meth:`publish_load` only."""
         self._loads: dict[str, tuple[float, dict[str, list[int]]]] = {}
+        assert load_heartbeat_s < share_ttl_s, (
+            f"the heartbeat {load_heartbeat_s} s must be shorter than the share TTL {share_ttl_s} s, "
+            "or live owners are dropped"
+        )
+        self.share_ttl_s, self.share_flush_s = share_ttl_s, share_flush_s
+        self.scraper: Scraper | None = None
+        """Set by the server: with it, the scrapes are shared (module doc); without, none are."""
+        self._sharers: dict[str, float] = {}
+        self._pending: dict[str, tuple[Outcome, float]] = {}
+        self._flush_at: asyncio.TimerHandle | None = None
+        self._shared_at = float("-inf")
+        """When our last scrape batch (or heartbeat) went out."""
         self.ident = ident or f"{os.getpid()}-{os.urandom(4).hex()}"
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 10_000)
@@ -151,6 +195,71 @@ class Peers:
         if hashes:
             self.router.index.record(endpoint, hashes)
         return True
+
+    # --- shared scrapes ------------------------------------------------------------------
+    def owns(self, key: str) -> bool:
+        """Whether we scrape ``key``: the highest rendezvous score among the live sharers and us."""
+        if self.scraper is None or not self._sharers:
+            return True
+        mine = xxhash.xxh64_intdigest(f"{self.ident}|{key}".encode())
+        return all(xxhash.xxh64_intdigest(f"{i}|{key}".encode()) < mine for i in self._sharers)
+
+    def sharers(self) -> list[str]:
+        """The peers we split the scrapes with (not us)."""
+        return sorted(self._sharers)
+
+    def share(self, key: str, outcome: Outcome, scraped_at: float) -> None:
+        """Queue one of our scrapes for the peers; a batch goes out ``share_flush_s`` after its
+        first outcome (the other endpoints' scrapes of the same round join it)."""
+        self._pending[key] = (outcome, scraped_at)
+        if self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_later(self.share_flush_s, self.flush_scrapes)
+
+    def flush_scrapes(self) -> None:
+        """Send the queued outcomes (possibly none: a heartbeat), non-blocking."""
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
+        now = self.clock()
+        entries = [
+            [key, max(0.0, now - at), o.reason, None if o.metrics is None else metrics_to_wire(o.metrics)]
+            for key, (o, at) in self._pending.items()
+        ]
+        self._pending.clear()
+        self._shared_at = now
+        body = msgpack.packb([self.ident, entries], use_bin_type=True)
+        with contextlib.suppress(zmq.Again):
+            self._pub.send_multipart([SCRAPE, body], flags=zmq.NOBLOCK)
+
+    def apply_scrapes(self, body: bytes) -> bool:
+        """Take one peer's batch of scrape outcomes (all, or none if any is malformed)."""
+        try:
+            ident, entries = msgpack.unpackb(body, raw=False)
+            if not (isinstance(ident, str) and len(ident) <= MAX_IDENT):
+                raise ValueError("sender id is not a short string")
+            if not (isinstance(entries, list) and len(entries) <= MAX_SHARED):
+                raise ValueError("outcomes are not a bounded list")
+            if ident == self.ident:
+                self.own += 1
+                return True
+            outcomes = [_outcome(e) for e in entries]
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            log.debug("bad shared scrape: %s", exc)
+            return False
+        now = self.clock()
+        self._sharers[ident] = now
+        if self.scraper is not None:
+            for key, age, outcome in outcomes:
+                self.scraper.apply_remote(key, outcome, now - age)
+        return True
+
+    def _expire_sharers(self, now: float) -> None:
+        gone = [i for i, t in self._sharers.items() if now - t > self.share_ttl_s]
+        for ident in gone:
+            del self._sharers[ident]
+            log.info("peer picker %s silent for %.1f s: its scrapes are taken over", ident, self.share_ttl_s)
+        if gone and self.scraper is not None:
+            self.scraper.rebalance()
 
     def _report(self) -> dict[str, list[int]]:
         return {
@@ -215,9 +324,14 @@ class Peers:
         while True:
             self.publish_load()
             self.refresh_loads()
+            if self.scraper is not None:
+                now = self.clock()
+                self._expire_sharers(now)
+                if now - self._shared_at >= self.load_heartbeat_s and self._flush_at is None:
+                    self.flush_scrapes()
             await asyncio.sleep(self.load_interval_s)
 
-    async def _discover(self, sub: zmq.asyncio.Socket) -> None:
+    async def _discover(self, sub: zmq.Socket[bytes], drain: Drain) -> None:
         """Keep ``sub`` connected to every address ``peer_dns`` resolves to (module doc)."""
         host, _, port = self.peer_dns.rpartition(":")
         while True:
@@ -234,38 +348,52 @@ class Peers:
                 if now != self.discovered:
                     log.info("peer pickers via %s: %s", self.peer_dns, ", ".join(sorted(now)) or "none")
                 self.discovered = now - set(self.peers)
+                drain.drain()  # (dis)connecting may have swallowed the socket's edge
             await asyncio.sleep(self.dns_interval_s)
 
+    def take(self, frames: list[bytes]) -> bool:
+        """Handle one received message (counted in ``received``, and ``bad`` if dropped)."""
+        if len(frames) != 2:
+            ok = False
+        elif frames[0] == LOAD:
+            ok = self.apply_load(frames[1])
+        elif frames[0] == SCRAPE:
+            ok = self.apply_scrapes(frames[1])
+        else:
+            own = self.own
+            ok = self.apply(frames[1])
+            self.picks += ok and self.own == own
+        self.received += 1
+        self.bad += not ok
+        return True
+
     async def run(self) -> None:
-        sub = self._ctx.socket(zmq.SUB)
+        """Receive from the peers (every message queued at a wake-up in one callback:
+        :class:`~picker.core.drain.Drain`) and send our load reports, until cancelled."""
+        sub: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
         sub.setsockopt(zmq.SUBSCRIBE, LOAD)
+        sub.setsockopt(zmq.SUBSCRIBE, SCRAPE)
         for p in self.peers:
             sub.connect(p)
+        drain = Drain(sub, self.take)
+        drain.start()
         helpers = [asyncio.create_task(self._report_loads())]
         if self.peer_dns:
-            helpers.append(asyncio.create_task(self._discover(sub)))
+            helpers.append(asyncio.create_task(self._discover(sub, drain)))
         try:
-            while True:
-                frames = await sub.recv_multipart()
-                if len(frames) != 2:
-                    ok = False
-                elif frames[0] == LOAD:
-                    ok = self.apply_load(frames[1])
-                else:
-                    own = self.own
-                    ok = self.apply(frames[1])
-                    self.picks += ok and self.own == own
-                self.received += 1
-                self.bad += not ok
+            await asyncio.gather(*helpers)
         finally:
+            drain.stop()
             for task in helpers:
                 task.cancel()
             sub.close(linger=0)
 
     def close(self) -> None:
+        if self._flush_at is not None:
+            self._flush_at.cancel()
         self._pub.close(linger=0)
         self._ctx.term()
 
@@ -276,3 +404,17 @@ def _ints(xs: Any) -> bool:
         and len(xs) <= MAX_BLOCKS
         and all(isinstance(x, int) and 0 <= x <= _INT60 for x in xs)
     )
+
+
+def _outcome(entry: Any) -> tuple[str, float, Outcome]:
+    """One ``[endpoint key, age s, reason, metrics]`` of a shared batch, checked (``ValueError``)."""
+    if not (isinstance(entry, list) and len(entry) == 4):
+        raise ValueError("an outcome is not [key, age, reason, metrics]")
+    key, age, reason, raw = entry
+    if not (isinstance(key, str) and len(key) <= MAX_IDENT):
+        raise ValueError("endpoint key is not a short string")
+    if not (type(age) in (int, float) and 0 <= age <= MAX_AGE_S):
+        raise ValueError(f"age is not 0..{MAX_AGE_S} s")
+    if not (isinstance(reason, str) and len(reason) <= MAX_IDENT and (raw is None) == bool(reason)):
+        raise ValueError("a failed scrape names its reason, a successful one none")
+    return key, float(age), Outcome(None if raw is None else metrics_from_wire(raw), reason)

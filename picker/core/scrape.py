@@ -13,6 +13,14 @@ Health rules:
 - busy (our requests in flight, or running + waiting > 0) with the engine's progress counters
   unchanged for ``stall_after_s`` → STALLED (not routable) until they move: a hung engine
   whose HTTP server still answers. Leaves within ``stall_after_s`` + one ``interval_s``.
+
+Shared scrapes (several picker replicas, :class:`ScrapeShare`): each endpoint is scraped by one
+picker, which shares every outcome (metrics, or the failure) with the others; they apply it
+through the same rules, so a failure counts on every picker as on the one that scraped, and
+each judges a stall with its own in-flight work. The bounds above then hold on every picker
+plus the time the outcome takes to reach it (the share's batching, 20 ms, and the network);
+when the owner itself dies, plus the time its peers take to drop it (the share's TTL, 1 s), after
+which the next owner scrapes at once.
 """
 
 from __future__ import annotations
@@ -20,9 +28,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -128,8 +138,78 @@ PROGRESS = frozenset(
 """Counters that move with engine steps: their sum is :attr:`EndpointMetrics.progress_total`."""
 
 
+WIRE_FIELDS = tuple(f.name for f in fields(EndpointMetrics) if f.name != "updated_at")
+"""The :class:`EndpointMetrics` fields a shared scrape carries, in this order (``updated_at`` is
+the receiver's: its clock, less the scrape's age)."""
+MAX_LORAS = 256
+MAX_NAME = 256
+
+
+def metrics_to_wire(m: EndpointMetrics) -> list[Any]:
+    """``m`` as a msgpack-able list of :data:`WIRE_FIELDS` (frozensets as sorted lists)."""
+    return [sorted(v) if isinstance(v, frozenset) else v for v in (getattr(m, n) for n in WIRE_FIELDS)]
+
+
+def metrics_from_wire(raw: Any) -> EndpointMetrics:
+    """The inverse of :func:`metrics_to_wire`, checked: raises ``ValueError`` for anything else. A
+    longer list (a newer peer's extra fields) is read up to :data:`WIRE_FIELDS`."""
+    if not (isinstance(raw, list) and len(raw) >= len(WIRE_FIELDS)):
+        raise ValueError("shared metrics are not a list of the expected fields")
+    m = EndpointMetrics()
+    for name, v in zip(WIRE_FIELDS, raw, strict=False):
+        default = getattr(m, name)
+        if isinstance(default, frozenset):
+            if not (isinstance(v, list) and len(v) <= MAX_LORAS):
+                raise ValueError(f"{name}: not a list of at most {MAX_LORAS} names")
+            if not all(isinstance(x, str) and len(x) <= MAX_NAME for x in v):
+                raise ValueError(f"{name}: a name that is not a short string")
+            v = frozenset(v)
+        elif name in ("block_size", "num_gpu_blocks"):
+            if not (v is None or (type(v) is int and v > 0)):
+                raise ValueError(f"{name}: not a positive int or None")
+        elif name == "max_lora":
+            if not (type(v) is int and 0 <= v < 1 << 31):
+                raise ValueError(f"{name}: not a non-negative int")
+        elif not (
+            type(v) in (int, float) and math.isfinite(v) and v >= (-1 if name == "progress_total" else 0)
+        ):
+            raise ValueError(f"{name}: not a finite non-negative number")
+        else:
+            v = float(v)
+        setattr(m, name, v)
+    return m
+
+
 class Unhealthy(Exception):
     """The replica answered ``/health`` with an error status: its engine is dead."""
+
+
+UNHEALTHY = "unhealthy"
+"""The :attr:`Outcome.reason` of a scrape whose ``/health`` probe answered an error."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One scrape's result, applied by the picker that scraped and by every peer it shares it
+    with (:class:`ScrapeShare`): ``metrics`` on success, else ``reason`` (:data:`UNHEALTHY`, or
+    the failure's exception type name)."""
+
+    metrics: EndpointMetrics | None
+    reason: str = ""
+
+
+class ScrapeShare(Protocol):
+    """Splits the scraping among picker replicas: each endpoint is scraped by one of them (its
+    owner), which shares every :class:`Outcome`; the others apply it as if they had scraped.
+    :class:`picker.core.peers.Peers` implements it over the peer channel."""
+
+    def owns(self, key: str) -> bool:
+        """Whether this picker scrapes ``key`` (True for every key when it is alone)."""
+        ...
+
+    def share(self, key: str, outcome: Outcome, scraped_at: float) -> None:
+        """Tell the peers about one of our scrapes (``scraped_at``: our ``time.monotonic()``)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -153,8 +233,36 @@ class Progress:
         return now - self.since > self.after_s
 
 
+@dataclass(slots=True)
+class Track:
+    """What the health rules remember of one endpoint between its scrapes (ours or a peer's)."""
+
+    progress: Progress
+    failures: int = 0
+    """Consecutive failed scrapes, ours and the owner's alike (so it carries over when the
+    ownership moves)."""
+    heard_at: float = 0.0
+    """When a peer's outcome for it last arrived (the task's start until then)."""
+    owned: bool = True
+    """Whether it was ours to scrape at its last tick."""
+    scraping: bool = True
+    """Whether its last tick scraped it (ours, or its owner silent for too long)."""
+
+
 class Scraper:
-    """One polling task per endpoint, started and stopped with the pool's membership."""
+    """One polling task per endpoint, started and stopped with the pool's membership.
+
+    Alone (``share`` None), every task scrapes its endpoint every ``interval_s``. With a
+    :class:`ScrapeShare`, a task scrapes only while ``share.owns`` its endpoint, and shares each
+    outcome; the peers' outcomes arrive through :meth:`apply_remote`. A task whose endpoint has
+    had no peer outcome for ``stale_after_s`` scrapes it itself (an owner that stopped scraping
+    it, or that does not know the endpoint yet), and :meth:`rebalance` restarts, so that it scrapes
+    at once, every task whose endpoint has just become ours (its owner went silent).
+
+    The one writer of every endpoint's ``metrics`` and ``health`` (its own scrapes and its peers'
+    alike go through :meth:`_record`), and of the :class:`Track` of each.
+    Scrapes are aligned on multiples of ``interval_s`` of the loop's clock, so one picker's
+    outcomes for all the endpoints it owns come together and are shared in one message."""
 
     def __init__(
         self,
@@ -162,11 +270,17 @@ class Scraper:
         cfg: ScrapeConfig,
         on_update: Callable[[EndpointState], None] = lambda s: None,
         on_error: Callable[[EndpointState, str], None] = lambda s, why: None,
+        share: ScrapeShare | None = None,
     ) -> None:
-        self.pool, self.cfg = pool, cfg
+        self.pool, self.cfg, self.share = pool, cfg, share
         self.on_update, self.on_error = on_update, on_error
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tracks: dict[str, Track] = {}
         self._session: aiohttp.ClientSession | None = None
+        self.own_scrapes = 0
+        """Scrapes done here (a counter for tests and telemetry)."""
+        self.peer_outcomes = 0
+        """Outcomes of peers' scrapes applied here."""
         pool.on_add(self._start)
         pool.on_remove(self._stop)
 
@@ -191,29 +305,63 @@ class Scraper:
     def _start(self, state: EndpointState) -> None:
         if self._session is None or state.key in self._tasks:
             return
-        self._tasks[state.key] = asyncio.get_running_loop().create_task(self._poll(state))
+        self._tasks[state.key] = asyncio.get_running_loop().create_task(
+            self._poll(state, self._track(state.key))
+        )
+
+    def _track(self, key: str) -> Track:
+        track = self._tracks.get(key)
+        if track is None:
+            track = self._tracks[key] = Track(Progress(self.cfg.stall_after_s), heard_at=time.monotonic())
+        return track
 
     def _stop(self, state: EndpointState) -> None:
+        self._tracks.pop(state.key, None)
         task = self._tasks.pop(state.key, None)
         if task is not None:
             task.cancel()
 
-    async def scrape_once(self, state: EndpointState, progress: Progress | None = None) -> None:
+    def rebalance(self) -> None:
+        """The set of pickers sharing the scrapes changed: every endpoint that has just become
+        ours is scraped at once (its task restarted), not at its next tick."""
+        if self.share is None:
+            return
+        for key, track in self._tracks.items():
+            state = self.pool.get(key)
+            if state is None or track.owned or not self.share.owns(key):
+                continue
+            task = self._tasks.pop(key, None)
+            if task is not None:
+                task.cancel()
+            track.owned = True
+            self._start(state)
+
+    def scrapes_here(self, key: str) -> bool:
+        """Whether ``key``'s last tick scraped it here (ours, or taken over from a silent owner)."""
+        track = self._tracks.get(key)
+        return track is not None and track.scraping
+
+    def apply_remote(self, key: str, outcome: Outcome, scraped_at: float) -> bool:
+        """A peer's scrape of ``key`` (``scraped_at`` on our clock). False if ``key`` is not in
+        our pool, or the outcome is older than the metrics we hold."""
+        state = self.pool.get(key)
+        if state is None:
+            return False
+        track = self._track(key)
+        track.heard_at = time.monotonic()
+        if outcome.metrics is not None and scraped_at <= state.metrics.updated_at:
+            return False  # two pickers scraped it (a takeover): keep the newer
+        self.peer_outcomes += 1
+        self._record(state, track, outcome, scraped_at)
+        return True
+
+    async def scrape_once(self, state: EndpointState) -> EndpointMetrics:
         """Read ``/metrics`` and probe ``/health`` together; raises :class:`Unhealthy` when the
         probe answers an error, any other exception when either fails."""
         assert self._session is not None, "Scraper used outside 'async with'"
         base = f"http://{state.key}"  # the key brackets an IPv6 address
         text, _ = await asyncio.gather(self._metrics_text(base), self._probe_health(base))
-        now = time.monotonic()
-        state.metrics = parse_metrics(text, now)
-        stalled = progress is not None and progress.stalled(state, now)
-        if stalled and state.health is not Health.STALLED:
-            log.warning(
-                "endpoint %s stalled: busy, engine counters still for %.1f s",
-                state.key,
-                self.cfg.stall_after_s,
-            )
-        state.health = Health.STALLED if stalled else Health.READY
+        return parse_metrics(text)
 
     async def _metrics_text(self, base: str) -> str:
         assert self._session is not None
@@ -230,38 +378,80 @@ class Scraper:
             if resp.status >= 300 and resp.status != 404:
                 raise Unhealthy(f"{self.cfg.health_path} answered HTTP {resp.status}")
 
-    async def _poll(self, state: EndpointState) -> None:
-        """Scrape until cancelled. Any ``Exception`` counts as a failed scrape: an unexpected one is
-        logged with its traceback (once per streak of the same kind) and polling goes on, so no
-        endpoint's health freezes. ``CancelledError`` is not an ``Exception`` and ends the task."""
-        failures = 0
+    def _record(self, state: EndpointState, track: Track, outcome: Outcome, at: float) -> None:
+        """Apply one scrape's outcome (ours or a peer's) to the endpoint's metrics and health."""
+        if outcome.metrics is not None:
+            outcome.metrics.updated_at = at
+            state.metrics = outcome.metrics
+            track.failures = 0
+            stalled = track.progress.stalled(state, at)
+            if stalled and state.health is not Health.STALLED:
+                log.warning(
+                    "endpoint %s stalled: busy, engine counters still for %.1f s",
+                    state.key,
+                    self.cfg.stall_after_s,
+                )
+            state.health = Health.STALLED if stalled else Health.READY
+            self.on_update(state)
+        elif outcome.reason == UNHEALTHY:
+            if state.health is not Health.UNHEALTHY:
+                log.warning("endpoint %s unhealthy: its %s answers an error", state.key, self.cfg.health_path)
+            state.health = Health.UNHEALTHY
+            self.on_error(state, UNHEALTHY)
+        else:
+            track.failures += 1
+            self.on_error(state, outcome.reason)
+            if track.failures >= self.cfg.unreachable_after:
+                if state.health is not Health.UNREACHABLE:
+                    log.warning("endpoint %s unreachable: %s", state.key, outcome.reason)
+                state.health = Health.UNREACHABLE
+            else:
+                self._age(state)
+
+    def _age(self, state: EndpointState) -> None:
+        if (
+            state.health is Health.READY
+            and time.monotonic() - state.metrics.updated_at > self.cfg.stale_after_s
+        ):
+            state.health = Health.DEGRADED
+
+    async def _scrape(self, state: EndpointState, last_unexpected: str) -> Outcome:
+        """One scrape as an :class:`Outcome`: any ``Exception`` is a failed scrape, an unexpected
+        one logged with its traceback unless it is of ``last_unexpected``'s kind (once per streak).
+        ``CancelledError`` is not an ``Exception`` and ends the task."""
+        try:
+            return Outcome(await self.scrape_once(state))
+        except Unhealthy:
+            return Outcome(None, UNHEALTHY)
+        except Exception as exc:
+            reason = type(exc).__name__
+            if not isinstance(exc, EXPECTED) and reason != last_unexpected:
+                log.exception("endpoint %s: unexpected error while scraping", state.key)
+            return Outcome(None, reason)
+
+    def _ours(self, key: str, track: Track) -> bool:
+        """Whether to scrape ``key`` at this tick: ours, or no peer has shared it for too long."""
+        if self.share is None:
+            return True
+        track.owned = self.share.owns(key)
+        track.scraping = track.owned or time.monotonic() - track.heard_at > self.cfg.stale_after_s
+        return track.scraping
+
+    async def _poll(self, state: EndpointState, track: Track) -> None:
+        """Scrape (or wait for the owner's outcomes) until cancelled; polling never stops on an
+        error, so no endpoint's health freezes."""
+        loop = asyncio.get_running_loop()
         last_unexpected = ""
-        progress = Progress(self.cfg.stall_after_s)
+        interval = self.cfg.interval_s
         while True:
-            try:
-                await self.scrape_once(state, progress)
-                failures = 0
-                last_unexpected = ""
-                self.on_update(state)
-            except Unhealthy as exc:
-                if state.health is not Health.UNHEALTHY:
-                    log.warning("endpoint %s unhealthy: %s", state.key, exc)
-                state.health = Health.UNHEALTHY
-                self.on_error(state, "unhealthy")
-            except Exception as exc:
-                failures += 1
-                reason = type(exc).__name__
-                if not isinstance(exc, EXPECTED) and reason != last_unexpected:
-                    log.exception("endpoint %s: unexpected error while scraping", state.key)
-                    last_unexpected = reason
-                self.on_error(state, reason)
-                if failures >= self.cfg.unreachable_after:
-                    if state.health is not Health.UNREACHABLE:
-                        log.warning("endpoint %s unreachable: %s", state.key, exc)
-                    state.health = Health.UNREACHABLE
-                elif (
-                    state.health is Health.READY
-                    and time.monotonic() - state.metrics.updated_at > self.cfg.stale_after_s
-                ):
-                    state.health = Health.DEGRADED
-            await asyncio.sleep(self.cfg.interval_s)
+            if self._ours(state.key, track):
+                outcome = await self._scrape(state, last_unexpected)
+                last_unexpected = "" if outcome.metrics is not None else outcome.reason
+                at = time.monotonic()
+                self.own_scrapes += 1
+                self._record(state, track, outcome, at)
+                if self.share is not None:
+                    self.share.share(state.key, outcome, at)
+            else:
+                self._age(state)
+            await asyncio.sleep(interval - loop.time() % interval)

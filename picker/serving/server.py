@@ -192,7 +192,11 @@ class PickerServer:
             if self.opts.peer_bind
             else None
         )
-        async with Scraper(self.pool, self.cfg.scrape, self._on_scrape, self._on_scrape_error):
+        scraper = Scraper(self.pool, self.cfg.scrape, self._on_scrape, self._on_scrape_error, peers)
+        if peers is not None:
+            peers.scraper = scraper  # the scrapes are shared with the peers
+        self.telemetry.scraper = scraper
+        async with scraper:
             if subs is not None:
                 subs.attach(self.pool)
             tasks = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -15,6 +16,15 @@ _LAT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
 MAX_MODEL_LABELS = 256
 """Distinct ``model_name`` label values kept on ``inference_objective_request_total``; later ones
 count as "other" (client-chosen names must not grow the registry without bound)."""
+
+
+class ScrapeCounts(Protocol):
+    """What the telemetry mirrors of the scraper (:class:`picker.core.scrape.Scraper`)."""
+
+    own_scrapes: int
+    peer_outcomes: int
+
+    def scrapes_here(self, key: str) -> bool: ...
 
 
 class Telemetry:
@@ -101,8 +111,26 @@ class Telemetry:
             registry=r,
         )
         self.scrape_errors = Counter(
-            "kvpick_scrape_errors", "Failed /metrics scrapes", ["endpoint", "reason"], registry=r
+            "kvpick_scrape_errors",
+            "Failed /metrics scrapes (ours, or shared by the peer picker that scrapes the endpoint)",
+            ["endpoint", "reason"],
+            registry=r,
         )
+        self.scrapes = Counter(
+            "kvpick_scrape_outcomes",
+            "Scrape outcomes applied, by source: own (scraped here) or peer (shared by its owner)",
+            ["source"],
+            registry=r,
+        )
+        self.scrape_owner = Gauge(
+            "kvpick_scrape_owner",
+            "1 where this picker scrapes the endpoint for its peers, 0 where a peer does",
+            ["endpoint"],
+            registry=r,
+        )
+        self.scraper: ScrapeCounts | None = None
+        """Set by the server: the scraper whose counts and ownership :meth:`refresh` mirrors."""
+        self._scrapes_seen = (0, 0)
 
     def plugin_timer(self, name: str, seconds: float) -> None:
         child = self._plugin_children.get(name)
@@ -136,18 +164,28 @@ class Telemetry:
             live.add(s.key)
             self.in_flight.labels(s.key).set(s.load.in_flight_requests)
             self.in_flight_tokens.labels(s.key).set(s.load.in_flight_tokens)
+        if self.scraper is not None:
+            self._mirror_scrapes(self.scraper, live)
         self.ready_pods.labels(self.pool_name).set(ready)
         self.avg_kv.labels(self.pool_name).set(kv / ready if ready else 0.0)
         self.avg_queue.labels(self.pool_name).set(queue / ready if ready else 0.0)
-        for gauge in (self.in_flight, self.in_flight_tokens):
+        for gauge in (self.in_flight, self.in_flight_tokens, self.scrape_owner):
             for labels in list(gauge._metrics):  # drop series of departed endpoints
                 if labels[0] not in live:
                     gauge.remove(*labels)
 
+    def _mirror_scrapes(self, scraper: ScrapeCounts, live: set[str]) -> None:
+        own, peer = scraper.own_scrapes, scraper.peer_outcomes
+        self.scrapes.labels("own").inc(own - self._scrapes_seen[0])
+        self.scrapes.labels("peer").inc(peer - self._scrapes_seen[1])
+        self._scrapes_seen = (own, peer)
+        for key in live:
+            self.scrape_owner.labels(key).set(int(scraper.scrapes_here(key)))
+
     def forget(self, key: str) -> None:
         """Drop every series labelled with endpoint ``key`` (it left the pool): label cardinality
         stays bounded by the live endpoints."""
-        for gauge in (self.in_flight, self.in_flight_tokens):
+        for gauge in (self.in_flight, self.in_flight_tokens, self.scrape_owner):
             with contextlib.suppress(KeyError):
                 gauge.remove(key)
         for labels in list(self.scrape_errors._metrics):  # (endpoint, reason)

@@ -230,3 +230,53 @@ async def test_resolve_names_every_address() -> None:
     assert zmq_address("fd00::1", 5560) == "tcp://[fd00::1]:5560"
     with pytest.raises(ValueError, match="host:port"):
         Peers(router("precise"), f"tcp://127.0.0.1:{free_port()}", [], peer_dns="no-port")
+
+
+async def test_scrape_batches_are_checked_and_unseen_by_older_pickers() -> None:
+    """A malformed batch of shared scrapes is dropped whole; a picker older than shared scrapes
+    (subscribed to ``pick`` and ``load`` only) is never sent one; a peer that shares scrapes
+    becomes an owner of some endpoints, and a peer that does not never does."""
+    from picker.core.config import ScrapeConfig
+    from picker.core.scrape import Outcome, Scraper, metrics_to_wire, parse_metrics
+
+    async with pair("precise") as (_, b, peer_a, peer_b):
+        scraper = Scraper(b.pool, ScrapeConfig())
+        peer_b.scraper = scraper
+        old = zmq.Context.instance().socket(zmq.SUB)
+        old.connect(f"tcp://127.0.0.1:{peer_a._pub.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(':', 1)[1]}")
+        for topic in (b"pick", b"load"):
+            old.setsockopt(zmq.SUBSCRIBE, topic)
+        await asyncio.sleep(0.3)
+        assert all(peer_b.owns(s.key) for s in b.pool), "no sharer heard yet: B owns everything"
+        good = metrics_to_wire(parse_metrics("vllm:num_requests_waiting 7\n"))
+        bad = [
+            msgpack.packb(["a", [["10.0.0.1:8000", 0.01, "", good[:3]]]]),  # too few fields
+            msgpack.packb(["a", [["10.0.0.1:8000", 0.01, "", [*good[:1], float("nan"), *good[2:]]]]]),
+            msgpack.packb(["a", [["10.0.0.1:8000", -5, "", good]]]),  # negative age
+            msgpack.packb(["a", [["10.0.0.1:8000", 0.01, "ClientError", good]]]),  # both
+            msgpack.packb(["a", "not a list"]),
+        ]
+        for body in bad:
+            peer_a._pub.send_multipart([b"scrape", body])
+        await until(lambda: peer_b.bad >= len(bad), "bad batches counted")
+        assert peer_b.sharers() == [], "a malformed batch does not make its sender an owner"
+        peer_a._pub.send_multipart([b"scrape", msgpack.packb(["a", [["10.0.0.1:8000", 0.01, "", good]]])])
+        await until(lambda: peer_b.sharers() == ["a"], "A heard sharing")
+        state = b.pool.get("10.0.0.1:8000")
+        assert state is not None and state.metrics.waiting == 7 and scraper.peer_outcomes == 1
+        owned = {s.key for s in b.pool if peer_b.owns(s.key)}
+        assert owned == {s.key for s in b.pool if not peer_a_owns(s.key)}, "rendezvous: one owner each"
+        peer_b.share("10.0.0.2:8000", Outcome(None, "ClientError"), 0.0)
+        peer_b.flush_scrapes()
+        await asyncio.sleep(0.3)
+        with pytest.raises(zmq.Again):
+            while True:  # only picks and load reports reach the older picker
+                assert old.recv_multipart(zmq.NOBLOCK)[0] in (b"pick", b"load")
+        old.close(linger=0)
+
+
+def peer_a_owns(key: str) -> bool:
+    """A's rendezvous score beats B's (the idents of :func:`pair`)."""
+    import xxhash
+
+    return xxhash.xxh64_intdigest(f"a|{key}".encode()) > xxhash.xxh64_intdigest(f"b|{key}".encode())

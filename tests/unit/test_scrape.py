@@ -13,7 +13,7 @@ import pytest
 
 from picker.core.config import ScrapeConfig
 from picker.core.endpoints.pool import Pool
-from picker.core.endpoints.types import Endpoint, EndpointState, Health
+from picker.core.endpoints.types import Endpoint, EndpointMetrics, EndpointState, Health
 from picker.core.scrape import WANTED, Scraper, parse_metrics, prefilter
 
 FIXTURE = Path(__file__).parent / "data" / "vllm_0.32_metrics.txt"
@@ -81,12 +81,12 @@ async def test_an_unexpected_scrape_error_is_counted_logged_and_polling_goes_on(
     updated = asyncio.Event()
     calls = 0
 
-    async def flaky(st: EndpointState, progress: object = None) -> None:
+    async def flaky(st: EndpointState) -> EndpointMetrics:
         nonlocal calls
         calls += 1
         if calls <= 4:
             raise KeyError("bug in a parser")
-        st.health = Health.READY
+        return parse_metrics("")
 
     cfg = ScrapeConfig(interval_s=0.001, unreachable_after=3)
     scraper = Scraper(

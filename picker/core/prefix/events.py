@@ -22,6 +22,7 @@ Only GPU-tier (``medium`` GPU or unset) events of KV-cache group 0 are indexed.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
@@ -33,6 +34,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from picker.core.drain import Drain
 from picker.core.prefix.precise import PreciseIndex
 
 log = logging.getLogger(__name__)
@@ -181,9 +183,20 @@ class Subscriber:
         self.topic, self.refill_s, self.clock = topic.encode(), refill_s, clock
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.sync = Sync()
+        self._drain: Drain | None = None
+        self._replaying: asyncio.Task[None] | None = None
+        """The replay of a gap in progress (the reading is paused meanwhile); written by the drain."""
 
     # --- the pure part: sequence logic (tests drive it directly) ----------------------------
     async def on_message(self, seq: int, payload: bytes) -> None:
+        if not self.take(seq, payload):  # a gap the replay endpoint may fill
+            assert self.sync.expected is not None, "take() set the expected seq before refusing"
+            await self._gap(self.sync.expected, seq)
+            self._apply(seq, payload)
+
+    def take(self, seq: int, payload: bytes) -> bool:
+        """Apply one batch, unless it follows a gap and a replay endpoint is configured: then
+        False, nothing applied, for :meth:`on_message` to replay (which awaits)."""
         sy = self.sync
         if sy.expected is not None and seq < sy.expected:
             sy.restarts += 1  # the publisher counts from 0 again: a new engine, an empty cache
@@ -200,8 +213,12 @@ class Subscriber:
             if seq == 0:
                 sy.state = State.SYNCED
         if seq > sy.expected:
-            await self._gap(sy.expected, seq)
+            if self.replay_url is not None:
+                return False
+            sy.gaps += 1
+            self._lost(sy.expected, seq)
         self._apply(seq, payload)
+        return True
 
     def _apply(self, seq: int, payload: bytes) -> None:
         sy = self.sync
@@ -228,6 +245,9 @@ class Subscriber:
                     sy.state = State.SYNCED if expected == 0 else State.REFILL
                 log.info("%s: KV-event gap %d..%d re-synced by replay", self.key, expected, seq - 1)
                 return
+        self._lost(expected, seq)
+
+    def _lost(self, expected: int, seq: int) -> None:
         log.info(
             "%s: KV-event gap %d..%d; entries dropped, approximate until refilled",
             self.key,
@@ -269,19 +289,39 @@ class Subscriber:
         finally:
             sock.close(linger=0)
 
+    def _take_frames(self, frames: list[bytes]) -> bool:
+        """One received message (:class:`~picker.core.drain.Drain`'s ``take``): False pauses the
+        reading while a gap is replayed."""
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.sync.bad += 1
+            return True
+        seq = int.from_bytes(frames[1], "big")
+        if self.take(seq, frames[2]):
+            return True
+        self._replaying = asyncio.get_running_loop().create_task(self._replay_gap(seq, frames[2]))
+        return False
+
+    async def _replay_gap(self, seq: int, payload: bytes) -> None:
+        assert self._drain is not None and self.sync.expected is not None
+        await self._gap(self.sync.expected, seq)
+        self._apply(seq, payload)
+        self._drain.resume()
+
     async def run(self) -> None:
-        sock = self.ctx.socket(zmq.SUB)
+        """Consume the stream until cancelled: every batch queued at a wake-up in one callback
+        (:class:`~picker.core.drain.Drain`); the reading pauses while a gap is replayed."""
+        sock: zmq.Socket[bytes] = zmq.Socket(self.ctx, zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         sock.connect(self.pub_url)
+        self._drain = Drain(sock, self._take_frames)
+        self._drain.start()
         try:
-            while True:
-                frames = await sock.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    self.sync.bad += 1
-                    continue
-                await self.on_message(int.from_bytes(frames[1], "big"), frames[2])
+            await asyncio.get_running_loop().create_future()  # until cancelled
         finally:
+            self._drain.stop()
+            if self._replaying is not None:
+                self._replaying.cancel()
             sock.close(linger=0)
