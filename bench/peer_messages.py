@@ -14,7 +14,9 @@ the receiver on its own), and received by the picker's own code in an asyncio lo
 Reported: the receiving process's CPU (user + system, all its threads: the event loop and ZMQ's I/O
 thread) per message, and beside it the same decoding and indexing called back to back in a loop
 (``in a loop``): the difference is what being woken for each message costs (the event loop's round,
-ZMQ's I/O thread, caches gone cold in between). Medians over ``--repeats`` runs with [min-max].
+ZMQ's I/O thread, caches gone cold in between). ``--burst K`` sends K messages back to back every
+``--gap-ms`` (as a busy replica's steps and several peers' picks pile up between two wake-ups).
+Medians over ``--repeats`` runs with [min-max].
 """
 
 from __future__ import annotations
@@ -68,14 +70,15 @@ def _messages(kind: str, n: int, blocks: int) -> list[list[bytes]]:
     return out
 
 
-def _send(url: str, kind: str, n: int, blocks: int, gap_s: float) -> None:
+def _send(url: str, kind: str, n: int, blocks: int, gap_s: float, burst: int) -> None:
     msgs = _messages(kind, n, blocks)
     sock = zmq.Context().socket(zmq.PUB)
     sock.bind(url)
     time.sleep(1.0)  # slow joiner
-    for m in msgs:
+    for i, m in enumerate(msgs):
         sock.send_multipart(m)
-        time.sleep(gap_s)
+        if (i + 1) % burst == 0:
+            time.sleep(gap_s)
     time.sleep(0.5)
     sock.close(linger=0)
 
@@ -131,9 +134,9 @@ def _in_a_loop(kind: str, n: int, blocks: int) -> float:
     return (time.process_time() - t0) / n * 1000
 
 
-def measure(kind: str, n: int, blocks: int, gap_s: float) -> tuple[float, float]:
+def measure(kind: str, n: int, blocks: int, gap_s: float, burst: int = 1) -> tuple[float, float]:
     url = f"tcp://127.0.0.1:{free_port()}"
-    sender = multiprocessing.Process(target=_send, args=(url, kind, n, blocks, gap_s))
+    sender = multiprocessing.Process(target=_send, args=(url, kind, n, blocks, gap_s, burst))
     sender.start()
     try:
         woken = asyncio.run(_receive(kind, url, n))
@@ -148,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=68, help="blocks per KV-event batch and per pick")
     p.add_argument("--gap-ms", type=float, default=4.0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--burst", type=int, default=1, help="messages sent back to back every --gap-ms")
     a = p.parse_args(argv)
-    print(f"| message ({a.blocks} blocks) | CPU ms per message, received | in a loop |")
+    print(f"| message ({a.blocks} blocks, {a.burst} at a time) | CPU ms per message, received | in a loop |")
     print("|---|---|---|")
     for kind in KINDS:
-        runs = [measure(kind, a.messages, a.blocks, a.gap_ms / 1000) for _ in range(a.repeats)]
+        runs = [measure(kind, a.messages, a.blocks, a.gap_ms / 1000, a.burst) for _ in range(a.repeats)]
         woken, loop = [r[0] for r in runs], [r[1] for r in runs]
         print(
             f"| {kind} | {statistics.median(woken):.3f} [{min(woken):.3f}-{max(woken):.3f}] | "

@@ -118,10 +118,13 @@ class Pickers:
         return [cpu_seconds(p) for p in self.pids]
 
 
-def start_pickers(procs: Procs, n: int, fleet: Fleet, tag: str, routed: int = 0) -> Pickers:
+def start_pickers(procs: Procs, n: int, fleet: Fleet, tag: str, routed: int = 0, source: str = "") -> Pickers:
     """``n`` pickers sharing picks and load; Envoy's ext_proc cluster lists the first ``routed``
-    (default all): the others subscribe, listen to their peers, scrape and are idle otherwise."""
+    (default all): the others subscribe, listen to their peers, scrape and are idle otherwise.
+    ``source``: another source tree's picker (``PYTHONSAFEPATH`` keeps this checkout, the working
+    directory, off the path, so ``PYTHONPATH`` decides which ``picker`` is imported)."""
     routed = routed or n
+    env = {"PYTHONSAFEPATH": "1", "PYTHONPATH": source} if source else None
     peers = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
     grpc = [free_port() for _ in range(n)]
     pids = []
@@ -137,7 +140,7 @@ def start_pickers(procs: Procs, n: int, fleet: Fleet, tag: str, routed: int = 0)
         args += ["--host", "127.0.0.1", "--grpc-port", str(grpc[i]), "--grpc-health-port", str(free_port())]
         args += ["--metrics-port", str(free_port()), "--log-level", "warning", "--drain-timeout", "1"]
         args += ["--peer-bind", peers[i], "--peers", ",".join(p for j, p in enumerate(peers) if j != i)]
-        proc = procs.start(f"picker-{tag}-{i}", [PY, "-m", "picker", *args])
+        proc = procs.start(f"picker-{tag}-{i}", [PY, "-m", "picker", *args], env=env)
         wait_port(grpc[i], proc=proc, timeout=60)
         pids.append(proc.pid)
     listen = free_port()
@@ -163,20 +166,24 @@ def start_pickers(procs: Procs, n: int, fleet: Fleet, tag: str, routed: int = 0)
 
 
 @contextmanager
-def pickers_running(procs: Procs, n: int, fleet: Fleet, tag: str, routed: int = 0) -> Iterator[Pickers]:
+def pickers_running(
+    procs: Procs, n: int, fleet: Fleet, tag: str, routed: int = 0, source: str = ""
+) -> Iterator[Pickers]:
     first = len(procs.procs)
     try:
-        yield start_pickers(procs, n, fleet, tag, routed)
+        yield start_pickers(procs, n, fleet, tag, routed, source)
     finally:
         for name, _ in procs.procs[first:]:
             procs.stop(name, timeout=5)
         del procs.procs[first:]
 
 
-def parse_case(spec: str) -> tuple[int, int]:
-    """``"3"``: 3 pickers, all behind Envoy; ``"3:1"``: 3 pickers running, Envoy routes to 1."""
+def parse_case(spec: str) -> tuple[int, int, str]:
+    """``"3"``: 3 pickers, all behind Envoy; ``"3:1"``: 3 pickers running, Envoy routes to 1;
+    ``"3@old"``: the pickers of the source tree ``--source old=DIR`` names."""
+    spec, _, source = spec.partition("@")
     n, _, routed = spec.partition(":")
-    out = (int(n), int(routed or n))
+    out = (int(n), int(routed or n), source)
     assert 1 <= out[1] <= out[0], f"case {spec!r}: Envoy can route to 1..{out[0]} of the pickers"
     return out
 
@@ -189,6 +196,8 @@ class Case:
     repeat: int
     requests: int
     errors: int
+    source: str
+    """The ``--source`` name of the pickers' tree ("" for this checkout)."""
     cpu_ms_per_request: float
     """All the pickers' CPU during the run, per request."""
     net_cpu_ms_per_request: float
@@ -209,7 +218,7 @@ class Case:
 
 
 def scaling_case(procs: Procs, fleet: Fleet, spec: str, repeat: int, a: argparse.Namespace) -> Case:
-    n, routed = parse_case(spec)
+    n, routed, source = parse_case(spec)
     if a.workload == "mooncake":
         w = mooncake(a.trace, a.limit, a.max_input_tokens)
         load = LoadConfig(mode="trace", time_scale=a.time_scale, model=MODEL, progress=False)
@@ -218,7 +227,8 @@ def scaling_case(procs: Procs, fleet: Fleet, spec: str, repeat: int, a: argparse
             a.groups, a.per_group, a.prefix_tokens, a.question_tokens, a.output_tokens, seed=repeat
         )
         load = LoadConfig(mode="poisson", rate=a.rate, model=MODEL, seed=repeat, progress=False)
-    with pickers_running(procs, n, fleet, f"{spec}-{repeat}", routed) as pk:
+    tag = spec.replace("@", "-").replace(":", "of")
+    with pickers_running(procs, n, fleet, f"{tag}-{repeat}", routed, a.sources.get(source, "")) as pk:
         fleet.reset()
         time.sleep(1.0)
         idle = _idle_rates(pk, a.idle_s)
@@ -232,7 +242,7 @@ def scaling_case(procs: Procs, fleet: Fleet, spec: str, repeat: int, a: argparse
     idle_rate = [(b + c) / 2 for b, c in zip(idle, after, strict=True)]
     net = [max(0.0, c - r * wall) for c, r in zip(cpus, idle_rate, strict=True)]
     case = Case(
-        n, routed, repeat, s.requests, s.errors, per * sum(cpus), per * sum(net), 1000 * sum(idle),
+        n, routed, repeat, s.requests, s.errors, source, per * sum(cpus), per * sum(net), 1000 * sum(idle),
         1000 * sum(after), max(net[:routed]) / max(1e-9, sum(net[:routed])) * routed,
         max(served) / max(1e-9, sum(served)) * len(served), s.hit_rate, s.ttft_p50, s.ttft_p90,
         s.throughput_rps,
@@ -331,17 +341,27 @@ def _med(xs: list[float], fmt: str) -> str:
 
 def scaling_table(cases: list[Case], specs: list[str]) -> str:
     lines = [
-        "| pickers (routed) | picker CPU ms/request | net of idle | net vs first | idle CPU ms/s, before / after | "
+        "| pickers (routed) | picker CPU ms/request | vs first | net of idle | net vs first | idle CPU ms/s, before / after | "
         "busiest picker | busiest replica | hit rate | TTFT p50 s | TTFT p90 s | req/s | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    groups = [[c for c in cases if (c.pickers, c.routed) == parse_case(spec)] for spec in specs]
-    base = statistics.median(c.net_cpu_ms_per_request for c in groups[0])
+    groups = [[c for c in cases if (c.pickers, c.routed, c.source) == parse_case(spec)] for spec in specs]
+    firsts: dict[str, tuple[float, float]] = {}  # per source tree: its first case's medians
     for cs in groups:
-        net = [c.net_cpu_ms_per_request for c in cs]
+        firsts.setdefault(
+            cs[0].source,
+            (
+                statistics.median(c.cpu_ms_per_request for c in cs),
+                statistics.median(c.net_cpu_ms_per_request for c in cs),
+            ),
+        )
+    for cs in groups:
+        net, gross = [c.net_cpu_ms_per_request for c in cs], [c.cpu_ms_per_request for c in cs]
+        gross_base, base = firsts[cs[0].source]
         name = f"{cs[0].pickers}" + (f" ({cs[0].routed})" if cs[0].routed != cs[0].pickers else "")
+        name += f" @{cs[0].source}" if cs[0].source else ""
         lines.append(
-            f"| {name} | {_med([c.cpu_ms_per_request for c in cs], '.3f')} | {_med(net, '.3f')} | "
+            f"| {name} | {_med(gross, '.3f')} | {statistics.median(gross) / gross_base:.2f}x | {_med(net, '.3f')} | "
             f"{statistics.median(net) / base:.2f}x | {_med([c.idle_cpu_ms_per_s for c in cs], '.0f')} / "
             f"{_med([c.idle_after_cpu_ms_per_s for c in cs], '.0f')} | "
             f"{_med([c.picker_share_max for c in cs], '.2f')} | {_med([c.replica_share_max for c in cs], '.2f')} | "
@@ -374,6 +394,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="cases to compare: N pickers, or N:K for N pickers of which Envoy routes to K (the others "
         "only consume events and peer messages: their CPU, not their routing)",
     )
+    p.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="another source tree's pickers, for the cases N@NAME (side by side with this checkout's)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per replica (0: the profile's)")
@@ -396,7 +423,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "-o", "--output", default="", help="results file stem (default bench/results/pickers[-failover])"
     )
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    a.sources = dict(x.partition("=")[::2] for x in a.source)
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:
