@@ -20,6 +20,8 @@
 #   TORCH_INDEX_URL  where torch==<v>+cpu comes from (https://download.pytorch.org/whl/cpu); empty
 #               when WHEELHOUSE holds a +cpu torch wheel.
 #   BUILD_NETWORK  the network of RUN steps (host: reaches the loopback wheelhouse).
+#   BUILD_FLAGS  more flags for every build, split on spaces: `--no-cache` (a cold build),
+#               `--build-arg EXTRAS=replica` (proves the picker build fails once torch gets in).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -95,7 +97,8 @@ TORCH_INDEX_URL=${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}
 build() {  # build DOCKERFILE REF [--build-arg ...]
   local dockerfile=$1 ref=$2; shift 2
   local start=$SECONDS
-  "${BUILD[@]}" --network "$BUILD_NETWORK" "${SECRETS[@]}" -f "deploy/docker/$dockerfile" -t "$ref" "$@" .
+  # shellcheck disable=SC2086  # BUILD_FLAGS is split on purpose
+  "${BUILD[@]}" --network "$BUILD_NETWORK" "${SECRETS[@]}" ${BUILD_FLAGS:-} -f "deploy/docker/$dockerfile" -t "$ref" "$@" .
   echo "built $ref in $((SECONDS - start))s ($(docker image inspect -f '{{.Size}}' "$ref" | awk '{printf "%.0f MB", $1 / 1e6}'))"
 }
 
