@@ -235,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory with the model's tokenizer.json and tokenizer_config.json (precise matching of text prompts)",
     )
     r.add_argument(
+        "--tokenize-inline-bytes",
+        type=int,
+        default=None,
+        help="with --tokenizer, tokenize bodies under this many bytes on the event loop, larger ones "
+        f"in a thread; 0: always in a thread {_from_config(cfg.prefix.tokenize_inline_bytes)}",
+    )
+    r.add_argument(
         "--body-mode",
         choices=list(BODY_MODES),
         default=next(k for k, v in BODY_MODES.items() if v == so.default_body_mode),
@@ -291,6 +298,7 @@ def build_config(args: argparse.Namespace) -> config_mod.RouterConfig:
             "kv_events_port": args.kv_events_port,
             "kv_events_replay_port": args.kv_events_replay_port,
             "tokenizer": args.tokenizer,
+            "tokenize_inline_bytes": args.tokenize_inline_bytes,
             "data_parallel_ports": _ports(args.data_parallel_ports),
         }.items()
         if v is not None

@@ -108,6 +108,11 @@ class PrefixConfig:
     tokenizer_cache_entries: int = 64
     """Texts whose tokenization is kept for reuse by requests sharing their prefix (0: off; off
     for a tokenizer that does not split words at whitespace, see ``picker.core.tokenize.cache``)."""
+    tokenize_inline_bytes: int = 4096
+    """Bodies under this many bytes are tokenized on the event loop (about 0.3 ms for 1 KB here),
+    larger ones in a thread (0: always in a thread). The thread hop costs two wake-ups (the
+    worker's, then the loop's); on cores the engines keep busy each can wait a scheduler slice,
+    which cost more than tokenizing a short prompt (bench.real --split, shared-prefix)."""
     precise_miss_penalty: float = 2.0
     """In a precise cycle (the KV events say what each endpoint holds), every ``cost`` scorer left
     at its default ``miss_penalty`` (1.0) charges a miss this much instead: an exact miss is a
@@ -131,6 +136,8 @@ class PrefixConfig:
             raise ValueError("prefix.tokenizer_cache_entries and remote_tokenize_cache_entries must be >= 0")
         if self.precise_miss_penalty < 0:
             raise ValueError("prefix.precise_miss_penalty must be >= 0")
+        if self.tokenize_inline_bytes < 0:
+            raise ValueError("prefix.tokenize_inline_bytes must be >= 0")
         if self.remote_tokenize_timeout_s <= 0:
             raise ValueError("prefix.remote_tokenize_timeout_s must be > 0")
         object.__setattr__(self, "data_parallel_ports", tuple(self.data_parallel_ports))  # YAML gives a list

@@ -138,6 +138,16 @@ class Router:
         ids = self.tokenizer.encode(doc, path)
         return req if ids is None else dataclasses.replace(req, prompt_token_ids=ids)
 
+    def tokenize_now(self, req: InferenceRequest, doc: dict[str, Any], path: str) -> InferenceRequest | None:
+        """:meth:`tokenize` without waiting: None when another thread is tokenizing (the caller,
+        the event loop, then hands it to a thread)."""
+        if self.tokenizer is None or req.prompt_token_ids is not None or not doc:
+            return req
+        done, ids = self.tokenizer.try_encode(doc, path)
+        if not done:
+            return None
+        return req if ids is None else dataclasses.replace(req, prompt_token_ids=ids)
+
     async def tokenize_remote(
         self, req: InferenceRequest, doc: dict[str, Any], path: str, subset: Collection[str] | None = None
     ) -> InferenceRequest:

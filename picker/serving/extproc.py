@@ -435,9 +435,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """A body's last chunk is buffered here (its one copy out of the message: the last chunk
         of a BUFFERED body is the whole body) and the exchange finishes on an empty end-of-stream
         chunk. Before that, work that must leave the event loop is done: a large body is parsed
-        in the worker process; with a tokenizer (precise mode) the prompt is tokenized in a thread
-        (HF ``tokenizers`` releases the GIL), or, with none, by a replica's ``/tokenize`` (awaited,
-        bounded). Other messages pass unchanged."""
+        in the worker process; with a tokenizer (precise mode) the prompt is tokenized here when
+        the body is under ``prefix.tokenize_inline_bytes`` and no other encode is running (a
+        thread hop costs more than a short prompt), else in a thread (HF ``tokenizers`` releases
+        the GIL); with none, by a replica's ``/tokenize`` (awaited, bounded). Other messages pass unchanged."""
         if msg.WhichOneof("request") != "request_body" or ex.picked:
             return msg
         chunk = msg.request_body
@@ -462,7 +463,11 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         req, new_body, doc = ex.parsed
         if tokenize and doc is not None:
             if self.router.tokenizer is not None:
-                req = await asyncio.to_thread(self.router.tokenize, req, doc, path)
+                short = size < self.router.cfg.prefix.tokenize_inline_bytes
+                now = self.router.tokenize_now(req, doc, path) if short else None
+                req = (
+                    now if now is not None else await asyncio.to_thread(self.router.tokenize, req, doc, path)
+                )
             else:
                 req = await self.router.tokenize_remote(req, doc, path, ex.subset)
             ex.parsed = (req, new_body, doc)

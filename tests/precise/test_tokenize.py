@@ -145,9 +145,22 @@ def test_prefix_cache_is_exact(tok_dir: pathlib.Path) -> None:
     assert ours.cache.hits >= 25, "the shared prefix was reused"
 
 
-async def test_ext_proc_tokenizes_off_the_event_loop(tok_dir: pathlib.Path) -> None:
-    """Through the ext_proc service: a chat body is tokenized (in a worker thread) and routed on
-    its KV-block keys; the pick leaves a speculative entry keyed by exactly those tokens."""
+def test_try_encode_never_waits_for_another_encode(tok_dir: pathlib.Path) -> None:
+    """The event loop's call: refused while a thread holds the tokenizer, else the same ids."""
+    ours = load(str(tok_dir))
+    doc = {"prompt": "the cache holds the prefix"}
+    with ours._lock:
+        assert ours.try_encode(doc, "/v1/completions") == (False, None)
+    assert ours.try_encode(doc, "/v1/completions") == (True, ours.encode(doc, "/v1/completions"))
+
+
+@pytest.mark.parametrize(("inline_bytes", "where"), [(0, "thread"), (4096, "loop")])
+async def test_ext_proc_tokenizes_short_bodies_on_the_loop(
+    tok_dir: pathlib.Path, inline_bytes: int, where: str
+) -> None:
+    """Through the ext_proc service: a chat body is tokenized (on the event loop when shorter
+    than ``tokenize_inline_bytes``, else in a worker thread) and routed on its KV-block keys; the
+    pick leaves a speculative entry keyed by exactly those tokens."""
     import asyncio
 
     from envoy.config.core.v3 import base_pb2
@@ -163,7 +176,10 @@ async def test_ext_proc_tokenizes_off_the_event_loop(tok_dir: pathlib.Path) -> N
 
     pool = Pool()
     pool.set_endpoints([Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)])
-    cfg = RouterConfig(prefix=PrefixConfig(mode="precise", block_size=16, tokenizer=str(tok_dir)))
+    prefix = PrefixConfig(
+        mode="precise", block_size=16, tokenizer=str(tok_dir), tokenize_inline_bytes=inline_bytes
+    )
+    cfg = RouterConfig(prefix=prefix)
     router = Router(cfg, pool)
     for s in pool:
         router.syncs[s.key] = Sync(State.SYNCED, expected=0)
@@ -181,18 +197,25 @@ async def test_ext_proc_tokenizes_off_the_event_loop(tok_dir: pathlib.Path) -> N
         for m in msgs:
             yield m
 
-    threads: list[str] = []
-    encode = router.tokenize
+    import threading
+
+    calls: list[tuple[str, str]] = []
+    encode, encode_now = router.tokenize, router.tokenize_now
 
     def spy(*a: Any) -> Any:
-        import threading
-
-        threads.append(threading.current_thread().name)
+        calls.append(("thread", threading.current_thread().name))
         return encode(*a)
 
+    def spy_now(*a: Any) -> Any:
+        calls.append(("loop", threading.current_thread().name))
+        return encode_now(*a)
+
     router.tokenize = spy  # type: ignore[method-assign]
+    router.tokenize_now = spy_now  # type: ignore[method-assign]
     out = await ExtProcService(router).answers(stream())
-    assert out and threads and threads[0] != "MainThread", "tokenized in a worker thread"
+    # the first call tokenizes; the pick's own call later finds the ids already there
+    assert out and calls and calls[0][0] == where, calls
+    assert (calls[0][1] == "MainThread") == (where == "loop"), calls
     chosen = next(
         h.header.raw_value.decode()
         for r in out

@@ -31,13 +31,18 @@ class PromptTokenizer(Protocol):
         reproduced here (media, an unrenderable template, no prompt)."""
         ...
 
+    def try_encode(self, doc: dict[str, Any], path: str) -> tuple[bool, list[int] | None]:
+        """``(True, encode(...))`` at once, or ``(False, None)`` when that would wait for another
+        thread's encode: the event loop calls it, and must not wait on a long prompt's."""
+        ...
+
 
 class HFPromptTokenizer:
     def __init__(self, tok: Tokenizer, chat: ChatTemplate | None, cache_entries: int = 64) -> None:
         self.tok, self.chat = tok, chat
         self._lock = threading.Lock()
         """Serialises :meth:`encode` (the prefix cache is not thread-safe); ext_proc calls it
-        from worker threads so that tokenizing never stalls the event loop."""
+        from worker threads, and :meth:`try_encode` from the event loop for short prompts."""
         x = tok.encode("x", add_special_tokens=False).ids
         both = tok.encode("x", add_special_tokens=True).ids
         at = _find(both, x)
@@ -61,6 +66,14 @@ class HFPromptTokenizer:
     def encode(self, doc: dict[str, Any], path: str) -> list[int] | None:
         with self._lock:
             return self._encode(doc, path)
+
+    def try_encode(self, doc: dict[str, Any], path: str) -> tuple[bool, list[int] | None]:
+        if not self._lock.acquire(blocking=False):
+            return False, None
+        try:
+            return True, self._encode(doc, path)
+        finally:
+            self._lock.release()
 
     def _encode(self, doc: dict[str, Any], path: str) -> list[int] | None:
         if "messages" in doc:
