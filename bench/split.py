@@ -195,3 +195,66 @@ def renice_engines(pgid: int, nice: int) -> int:
                 os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
                 n += 1
     return n
+
+
+def load_run(run_dir: pathlib.Path) -> dict[tuple[str, str], list[list[dict[str, float]]]]:
+    """``bench.real --split``'s per-request files under ``run_dir``: (workload file stem, router)
+    -> per repeat, its requests' rows."""
+    out: dict[tuple[str, str], list[list[dict[str, float]]]] = {}
+    for f in sorted(run_dir.glob("r*/*/*.split.jsonl")):
+        rows = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines()]
+        out.setdefault((f.name.removesuffix(".split.jsonl"), f.parent.name), []).append(rows)
+    return out
+
+
+def report(run_dir: pathlib.Path, base: str) -> str:
+    """Per workload and router, over every repeat's requests: the mean of each piece (means add
+    up to the mean TTFT), the mean of each piece over the slowest 10% of requests, and the median
+    over requests of the difference from router ``base`` on the same request (same repeat, same
+    index: the same prompt sent at the same offset)."""
+    runs = load_run(run_dir)
+    cols = [k for k in PIECES if k != "queue"]
+    lines = [
+        "| workload | router | n | what | " + " | ".join(cols) + " |",
+        "|---|---|---|---|" + "---|" * len(cols),
+    ]
+    for (wl, router), reps in sorted(runs.items()):
+        rows = [r for rep in reps for r in rep]
+        slow = sorted(rows, key=lambda r: r["client_ttft"])[int(0.9 * len(rows)) :]
+        stats = {"mean": rows, "slowest 10%": slow}
+        for what, rs in stats.items():
+            cells = [f"{statistics.fmean(r[k] for r in rs) * 1e3:.1f}" for k in cols]
+            lines.append(f"| {wl} | {router} | {len(rs)} | {what} | " + " | ".join(cells) + " |")
+        other = runs.get((wl, base))
+        if other is None or router == base:
+            continue
+        diffs: dict[str, list[float]] = {k: [] for k in cols}
+        for mine, theirs in zip(reps, other, strict=False):
+            by_index = {r["index"]: r for r in theirs}
+            for r in mine:
+                b = by_index.get(r["index"])
+                if b is not None:
+                    for k in cols:
+                        diffs[k].append(r[k] - b[k])
+        if diffs[cols[0]]:
+            cells = [f"{statistics.median(diffs[k]) * 1e3:+.1f}" for k in cols]
+            n = len(diffs[cols[0]])
+            lines.append(
+                f"| {wl} | {router} | {n} | median paired diff vs {base} | " + " | ".join(cells) + " |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.split", description=report.__doc__)
+    p.add_argument("run_dir", help="a bench.real --split run directory (its logs line names it)")
+    p.add_argument("--base", default="sglang-router", help="the router to pair requests with")
+    a = p.parse_args(argv)
+    print(report(pathlib.Path(a.run_dir), a.base))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

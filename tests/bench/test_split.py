@@ -120,3 +120,19 @@ def test_schedstat_and_renice_read_and_set_a_process_group() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_report_pairs_the_same_request_across_routers(tmp_path: pathlib.Path) -> None:
+    from bench.split import report
+
+    def row(i: int, ttft: float, before: float) -> dict[str, float]:
+        return {"index": i, **dict.fromkeys(PIECES, 0.0), "client_ttft": ttft, "before_engine": before}
+
+    for router, extra in (("cost", 0.004), ("sglang-router", 0.0)):
+        d = tmp_path / "r0" / router
+        d.mkdir(parents=True)
+        rows = [row(i, 0.010 * (i + 1) + extra, 0.001 + extra) for i in range(10)]
+        (d / "w@nice0.split.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report(tmp_path, "sglang-router")
+    paired = next(line for line in text.splitlines() if "paired" in line)
+    assert "| w@nice0 | cost | 10 |" in paired and paired.count("+4.0") == 2, paired
