@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -261,8 +262,10 @@ class Scraper:
 
     The one writer of every endpoint's ``metrics`` and ``health`` (its own scrapes and its peers'
     alike go through :meth:`_record`), and of the :class:`Track` of each.
-    Scrapes are aligned on multiples of ``interval_s`` of the loop's clock, so one picker's
-    outcomes for all the endpoints it owns come together and are shared in one message."""
+    Scrapes are aligned on multiples of ``interval_s`` of the loop's clock, shifted by a phase
+    drawn once per scraper: one picker's outcomes for all the endpoints it owns come together
+    and are shared in one message, and pickers on one host (whose monotonic clocks are the same)
+    do not all scrape, and wake their peers, at the same instant."""
 
     def __init__(
         self,
@@ -277,6 +280,8 @@ class Scraper:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._tracks: dict[str, Track] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._phase = random.random() * cfg.interval_s
+        """Offset of this scraper's ticks on the loop's clock (class doc)."""
         self.own_scrapes = 0
         """Scrapes done here (a counter for tests and telemetry)."""
         self.peer_outcomes = 0
@@ -454,4 +459,4 @@ class Scraper:
                     self.share.share(state.key, outcome, at)
             else:
                 self._age(state)
-            await asyncio.sleep(interval - loop.time() % interval)
+            await asyncio.sleep(interval - (loop.time() - self._phase) % interval)
