@@ -27,9 +27,7 @@ from replica.sim.scheduler import SchedulerConfig
 
 OPTIONS: dict[str, dict[str, object]] = {
     "none": {},
-    "page": {"page_aligned": True},
     "aware": {"cache_aware": True},
-    "page_aware": {"page_aligned": True, "cache_aware": True},
     "dedupe": {"dedupe": True},
     "charge": {"charge_cached_tokens": True},
     "cap": {"long_prefill_token_threshold": 2048},

@@ -32,9 +32,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument(
-        "--page-aligned-prefill", action="store_true", help="non-final prefill chunks end on a block"
-    )
-    p.add_argument(
         "--cache-aware-admission",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -96,7 +93,6 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         SchedulerConfig(
             max_num_batched_tokens=a.max_num_batched_tokens,
             max_num_seqs=a.max_num_seqs,
-            page_aligned=a.page_aligned_prefill,
             cache_aware=a.cache_aware_admission,
             aging_s=a.aging_s,
             dedupe=a.dedupe_shared_prefixes,

@@ -400,7 +400,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (<1 = more load)")
     p.add_argument("--limit", type=int, default=None, help="use the first N rows")
-    p.add_argument("--page-aligned-prefill", action="store_true")
     p.add_argument("--cache-aware-admission", action="store_true")
     p.add_argument("--dedupe-shared-prefixes", action="store_true")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="each engine's token budget")
@@ -443,7 +442,6 @@ def main(argv: list[str] | None = None) -> int:
     router_cfg = load_file(a.config_file) if a.config_file else None
     sched = SchedulerConfig(
         max_num_batched_tokens=a.max_num_batched_tokens,
-        page_aligned=a.page_aligned_prefill,
         cache_aware=a.cache_aware_admission,
         dedupe=a.dedupe_shared_prefixes,
         long_prefill_token_threshold=a.long_prefill_token_threshold,

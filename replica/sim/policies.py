@@ -1,8 +1,7 @@
-"""The scheduler's three narrow extension points, one ``Protocol`` each, with vLLM's behaviour as
-the default and the replica-side options of the vLLM-plugin issue as alternatives:
+"""The scheduler's two narrow extension points, one ``Protocol`` each, with vLLM's behaviour as
+the default and the replica-side options of the vLLM-plugin issue as alternatives (page-aligned
+prefill chunks were a third; they helped nowhere and were removed: bench/results/replica.md):
 
-- ``Chunker``: how many of a request's remaining tokens fit a step (vLLM: as many as the budget
-  allows; ``PageAligned``: a chunk that does not finish the prefill ends on a block boundary).
 - ``AdmissionOrder``: in which order waiting requests are tried (vLLM: FCFS; ``CacheAware``:
   longest cached prefix first, except that a request waiting ``aging_s`` or more goes first, so
   none waits longer than the bound beyond FCFS).
@@ -29,10 +28,6 @@ from .blocks import BlockPool
 from .request import Request
 
 
-class Chunker(Protocol):
-    def chunk(self, req: Request, left: int, budget: int) -> int: ...
-
-
 class AdmissionOrder(Protocol):
     def order(self, waiting: Sequence[Request], pool: BlockPool, now: float) -> Iterable[Request]: ...
 
@@ -41,19 +36,6 @@ class AdmissionGate(Protocol):
     def begin(self, running: Sequence[Request]) -> None: ...
     def defer(self, req: Request, pool: BlockPool) -> bool: ...
     def admitted(self, req: Request) -> None: ...
-
-
-class Greedy:
-    def chunk(self, req: Request, left: int, budget: int) -> int:
-        return min(left, budget)
-
-
-class PageAligned:
-    def chunk(self, req: Request, left: int, budget: int) -> int:
-        if left <= budget:
-            return left
-        bs = req.block_size
-        return (req.num_computed + budget) // bs * bs - req.num_computed  # may be 0: wait a step
 
 
 class Fcfs:

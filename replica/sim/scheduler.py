@@ -28,12 +28,9 @@ from .policies import (
     AdmissionGate,
     AdmissionOrder,
     CacheAware,
-    Chunker,
     Dedupe,
     Fcfs,
-    Greedy,
     Never,
-    PageAligned,
 )
 from .request import Request
 
@@ -44,7 +41,6 @@ Batch = list[tuple[Request, int]]
 class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
-    page_aligned: bool = False
     cache_aware: bool = False
     aging_s: float = 2.0
     dedupe: bool = False
@@ -70,7 +66,6 @@ class Scheduler:
         self.pool, self.cfg = pool, cfg
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.chunker: Chunker = PageAligned() if cfg.page_aligned else Greedy()
         self.order: AdmissionOrder = CacheAware(cfg.aging_s) if cfg.cache_aware else Fcfs()
         self.gate: AdmissionGate = Dedupe() if cfg.dedupe else Never()
         self.queries = self.hits = self.preemptions = 0  # prefix-cache counters are in tokens
@@ -160,10 +155,10 @@ class Scheduler:
         return n
 
     def _chunk(self, req: Request, left: int, budget: int) -> int:
-        """The chunker's answer under the long-prefill cap (vLLM applies the cap first)."""
+        """Greedy chunks, as vLLM: as much of ``left`` as the budget and the long-prefill cap allow."""
         if 0 < self._cap < left:
             budget = min(budget, self._cap)
-        return self.chunker.chunk(req, left, budget)
+        return min(left, budget)
 
     def computed_part(self, req: Request, n: int) -> tuple[int, int]:
         """(tokens really computed, their context) of a chunk of ``n`` scheduled for ``req``:

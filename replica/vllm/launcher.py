@@ -57,7 +57,6 @@ def effective_config(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, o
     return {
         "command": list(argv),
         "scheduler_options": {
-            "page_aligned_prefill": opts.page_aligned_prefill,
             "cache_aware_admission": opts.cache_aware_admission,
             "dedupe_shared_prefixes": opts.dedupe_shared_prefixes,
             "aging_s": opts.aging_s,

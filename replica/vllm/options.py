@@ -1,6 +1,7 @@
 """Options of the prefix-aware scheduler, from ``KVPICK_*`` environment variables or from
 ``--additional-config '{"kvpick": {...}}'`` (the latter wins). Every option off means vLLM's
-own behaviour, unchanged."""
+own behaviour, unchanged. Page-aligned prefill chunks were an option until they were measured
+to help nowhere (bench/results/replica.md); ``KVPICK_PAGE_ALIGNED_PREFILL`` is now refused."""
 
 from __future__ import annotations
 
@@ -13,14 +14,12 @@ _TRUE = {"1", "true", "yes", "on"}
 
 @dataclasses.dataclass(frozen=True)
 class PrefixAwareOptions:
-    """``page_aligned_prefill``: every non-final prefill chunk ends on a block boundary.
-    ``cache_aware_admission``: the waiting queue serves the longest cached prefix first, but a
+    """``cache_aware_admission``: the waiting queue serves the longest cached prefix first, but a
     request that has waited ``aging_s`` seconds goes first in FCFS order.
     ``dedupe_shared_prefixes``: a waiting request whose next uncached block is being computed by
     a running prefill is deferred (up to ``aging_s``), so it is later admitted as a hit. It only
     acts with vLLM's ``--long-prefill-token-threshold`` (see ``replica.vllm.scheduler``)."""
 
-    page_aligned_prefill: bool = False
     cache_aware_admission: bool = False
     dedupe_shared_prefixes: bool = False
     aging_s: float = 2.0
@@ -30,7 +29,7 @@ class PrefixAwareOptions:
 
     @property
     def any_on(self) -> bool:
-        return self.page_aligned_prefill or self.cache_aware_admission or self.dedupe_shared_prefixes
+        return self.cache_aware_admission or self.dedupe_shared_prefixes
 
 
 def _flag(value: object) -> bool:
@@ -40,12 +39,14 @@ def _flag(value: object) -> bool:
 def load_options(
     env: Mapping[str, str] | None = None, additional: Mapping[str, object] | None = None
 ) -> PrefixAwareOptions:
-    """Read ``KVPICK_PAGE_ALIGNED_PREFILL``, ``KVPICK_CACHE_AWARE_ADMISSION``,
-    ``KVPICK_DEDUPE_SHARED_PREFIXES`` and ``KVPICK_AGING_S``, then the ``kvpick`` entry of
-    vLLM's additional config."""
+    """Read ``KVPICK_CACHE_AWARE_ADMISSION``, ``KVPICK_DEDUPE_SHARED_PREFIXES`` and
+    ``KVPICK_AGING_S``, then the ``kvpick`` entry of vLLM's additional config."""
     env = os.environ if env is None else env
+    assert "KVPICK_PAGE_ALIGNED_PREFILL" not in env, (
+        "KVPICK_PAGE_ALIGNED_PREFILL was removed: page-aligned prefill helped nowhere "
+        "(bench/results/replica.md); unset it"
+    )
     raw: dict[str, object] = {
-        "page_aligned_prefill": env.get("KVPICK_PAGE_ALIGNED_PREFILL", ""),
         "cache_aware_admission": env.get("KVPICK_CACHE_AWARE_ADMISSION", ""),
         "dedupe_shared_prefixes": env.get("KVPICK_DEDUPE_SHARED_PREFIXES", ""),
         "aging_s": env.get("KVPICK_AGING_S", "2.0"),
@@ -56,7 +57,6 @@ def load_options(
         assert not unknown, f"unknown kvpick options in --additional-config: {sorted(unknown)}"
         raw.update(extra)
     return PrefixAwareOptions(
-        page_aligned_prefill=_flag(raw["page_aligned_prefill"]),
         cache_aware_admission=_flag(raw["cache_aware_admission"]),
         dedupe_shared_prefixes=_flag(raw["dedupe_shared_prefixes"]),
         aging_s=float(str(raw["aging_s"])),

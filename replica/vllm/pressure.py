@@ -45,15 +45,13 @@ from replica.vllm.tiny import ENV, cpu_binding
 
 CONFIGS: dict[str, dict[str, object]] = {
     "vllm": {},
-    "page_aligned": {"page_aligned_prefill": True},
     "cache_aware": {"cache_aware_admission": True},
-    "page_aligned+cache_aware": {"page_aligned_prefill": True, "cache_aware_admission": True},
     "dedupe": {"dedupe_shared_prefixes": True},
     "vllm, cap 128": {"long_prefill_token_threshold": 128},
     "dedupe, cap 128": {"dedupe_shared_prefixes": True, "long_prefill_token_threshold": 128},
 }
 """name -> ``replica.vllm.trace.BenchScheduler`` options (the rest off)"""
-OPTION_FIELDS = ("page_aligned_prefill", "cache_aware_admission", "dedupe_shared_prefixes")
+OPTION_FIELDS = ("cache_aware_admission", "dedupe_shared_prefixes")
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,9 @@
-"""``PrefixAwareScheduler``: vLLM's V1 scheduler with three opt-in changes, loaded with
+"""``PrefixAwareScheduler``: vLLM's V1 scheduler with two opt-in changes, loaded with
 ``--scheduler-cls replica.vllm.scheduler.PrefixAwareScheduler`` (``PrefixAwareAsyncScheduler``
 where async scheduling is on, as on GPU).
 
 It overrides narrow hooks only, never ``schedule()``:
 
-- ``_reserve_prefill_lookahead`` (called for every chunk, running and waiting) trims a
-  non-final prefill chunk so it ends on a block boundary (``page_aligned_prefill``); the token
-  budget is then charged whole pages for every chunk but a request's last;
 - ``self.waiting`` becomes a :class:`CacheAwareQueue` (``cache_aware_admission``);
 - ``_handle_blocked_waiting_request`` defers a request whose next uncached block is being
   computed by a running prefill (``dedupe_shared_prefixes``). vLLM caches a block when it
@@ -14,7 +11,8 @@ It overrides narrow hooks only, never ``schedule()``:
   (``--long-prefill-token-threshold``) no budget is ever left beside a pending prefill and the
   gate never fires. It is for replicas that set the cap (see ``replica.sim.policies``).
 
-With every option off the class is vLLM's scheduler, step for step.
+With every option off the class is vLLM's scheduler, step for step. (Page-aligned prefill chunks
+were a third option; measured, they helped nowhere and were removed: bench/results/replica.md.)
 """
 
 from __future__ import annotations
@@ -71,25 +69,6 @@ class PrefixAwareScheduler(Scheduler):
             hits += 1
         return hits * self.block_size
 
-    def _reserve_prefill_lookahead(
-        self, request: Request, num_computed_tokens: int, num_new_tokens: int
-    ) -> int:
-        num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        if not self.kvpick.page_aligned_prefill:
-            return num_new_tokens
-        return page_aligned(
-            num_computed_tokens,
-            num_new_tokens,
-            request.num_tokens,
-            self.block_size,
-            self._max_chunk(),
-        )
-
-    def _max_chunk(self) -> int:
-        """The largest chunk any step can give one request (budget, then long-prefill cap)."""
-        cap = self.scheduler_config.long_prefill_token_threshold
-        return min(self.max_num_scheduled_tokens, cap) if cap > 0 else self.max_num_scheduled_tokens
-
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         ready = super()._handle_blocked_waiting_request(request)
         if not ready or not self.kvpick.dedupe_shared_prefixes or request.num_computed_tokens:
@@ -109,20 +88,6 @@ class PrefixAwareScheduler(Scheduler):
                 start = running.num_computed_tokens // self.block_size
                 pending.update(running.block_hashes[start:])
         return pending
-
-
-def page_aligned(start: int, num_new: int, total: int, block_size: int, max_chunk: int) -> int:
-    """Trim a chunk ``[start, start + num_new)`` of a ``total``-token sequence so that, unless
-    it is the final chunk, it ends on a block boundary. Returns 0 (schedule nothing this step)
-    when no boundary fits, except when one block exceeds the largest possible chunk, where
-    alignment would stall the request forever and the chunk is left as is."""
-    end = start + num_new
-    if end >= total or end % block_size == 0:
-        return num_new
-    aligned = end // block_size * block_size
-    if aligned <= start and block_size > max_chunk:
-        return num_new
-    return max(aligned - start, 0)
 
 
 class PrefixAwareAsyncScheduler(PrefixAwareScheduler, AsyncScheduler):

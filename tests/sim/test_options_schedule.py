@@ -108,22 +108,6 @@ def test_cache_aware_admission_serves_the_cached_prefix_first_until_the_aging_bo
     assert admitted_order(True, 1.0) == (["cold", "hot"], 32), "past aging_s the FCFS head goes first"
 
 
-def test_page_aligned_prefill_leaves_a_sub_block_remainder_unused() -> None:
-    def log(page_aligned: bool) -> Log:
-        s = Scheduler(
-            BlockPool(64, BS), SchedulerConfig(max_num_batched_tokens=10, page_aligned=page_aligned)
-        )
-        a, b = req(list(range(7))), req(list(range(100, 125)))
-        s.add(a)
-        s.add(b)
-        return run(s, {a.request_id: "a", b.request_id: "b"})
-
-    assert log(False) == [[("a", 7), ("b", 3)], [("b", 10)], [("b", 10)], [("b", 2)]]
-    assert log(True) == [[("a", 7)], [("b", 8)], [("b", 8)], [("b", 9)]], (
-        "b is not started on a 3-token remainder; its non-final chunks are whole blocks"
-    )
-
-
 def test_charging_cached_tokens_walks_the_hit_through_the_budget() -> None:
     def follower(charge: bool) -> tuple[Log, Request, list[tuple[int, int]]]:
         s = Scheduler(

@@ -45,7 +45,7 @@ def test_switched_options_schedule_as_built_options_and_trace_it(
     monkeypatch.setenv("KVPICK_BENCH_OPTIONS", str(tmp_path / "options.json"))
     pressure.set_options(str(tmp_path), {})
     bench = make_scheduler(tiny_model_dir, 24, 100, cls=BenchScheduler, max_num_seqs=2, clock=lambda: 0.0)
-    cases = ["vllm", "cache_aware", "page_aligned", "dedupe, cap 128", "vllm"]
+    cases = ["vllm", "cache_aware", "dedupe, cap 128", "vllm"]
     schedules = []
     for n, name in enumerate(cases):
         options = dict(pressure.CONFIGS[name])
@@ -75,4 +75,3 @@ def test_switched_options_schedule_as_built_options_and_trace_it(
             assert (r.computed, r.cached) == (computed, first), f"{name}: request {r.index} traced wrongly"
     assert schedules[0] == schedules[-1], "switching back restores vLLM's schedule"
     assert schedules[1] != schedules[0], "cache-aware admission changed this schedule"
-    assert schedules[2] != schedules[0], "page-aligned prefill changed this schedule"

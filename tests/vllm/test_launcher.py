@@ -40,7 +40,6 @@ def test_effective_config_shows_scheduler_options() -> None:
         ["py"], {"KVPICK_CACHE_AWARE_ADMISSION": "1", "KVPICK_AGING_S": "0.5", "HOME": "/"}
     )
     assert cfg["scheduler_options"] == {
-        "page_aligned_prefill": False,
         "cache_aware_admission": True,
         "dedupe_shared_prefixes": False,
         "aging_s": 0.5,
@@ -53,8 +52,10 @@ def test_additional_config_overrides_the_environment() -> None:
 
     from replica.vllm.options import load_options
 
-    env = {"KVPICK_PAGE_ALIGNED_PREFILL": "1", "KVPICK_AGING_S": "3"}
-    opts = load_options(env, {"kvpick": {"page_aligned_prefill": False, "dedupe_shared_prefixes": True}})
-    assert (opts.page_aligned_prefill, opts.dedupe_shared_prefixes, opts.aging_s) == (False, True, 3.0)
+    env = {"KVPICK_CACHE_AWARE_ADMISSION": "1", "KVPICK_AGING_S": "3"}
+    opts = load_options(env, {"kvpick": {"cache_aware_admission": False, "dedupe_shared_prefixes": True}})
+    assert (opts.cache_aware_admission, opts.dedupe_shared_prefixes, opts.aging_s) == (False, True, 3.0)
     with pytest.raises(AssertionError, match="unknown kvpick options"):
-        load_options({}, {"kvpick": {"page_aligned": True}})
+        load_options({}, {"kvpick": {"page_aligned_prefill": True}})
+    with pytest.raises(AssertionError, match="KVPICK_PAGE_ALIGNED_PREFILL was removed"):
+        load_options({"KVPICK_PAGE_ALIGNED_PREFILL": "1"})

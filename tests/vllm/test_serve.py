@@ -37,7 +37,7 @@ def replica(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> Iterator[tu
     args = [PY, "-m", "replica.vllm", "serve", str(tiny_model_dir), "--kv-events-endpoint"]
     args += [endpoint, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager"]
     args += ["--block-size", "32", "--max-model-len", "1024", "--dtype", "float32"]
-    env = {**ENV, "KVPICK_PAGE_ALIGNED_PREFILL": "1", "KVPICK_CACHE_AWARE_ADMISSION": "1"}
+    env = {**ENV, "KVPICK_CACHE_AWARE_ADMISSION": "1"}
     sub.connect(endpoint)
     proc = procs.start("replica", args, env=env)
     url = f"http://127.0.0.1:{port}"
