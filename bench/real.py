@@ -429,8 +429,8 @@ def table(runs: list[Run]) -> str:
     for w in dict.fromkeys(r.workload for r in runs):
         lines += [
             f"\n### {w}\n",
-            "| router | hit rate (vLLM counters) | TTFT p50 s | TTFT p90 s | replica split (median) | errors |",
-            "|---|---|---|---|---|---|",
+            "| router | hit rate (vLLM counters) | TTFT p50 s | TTFT p90 s | TTFT mean s | replica split (median) | errors |",
+            "|---|---|---|---|---|---|---|",
         ]
         for name in dict.fromkeys(r.router for r in runs):
             rs = [r for r in runs if r.workload == w and r.router == name]
@@ -439,7 +439,8 @@ def table(runs: list[Run]) -> str:
             )
             lines.append(
                 f"| {name} | {_cell([r.hit_rate for r in rs], '.3f')} | {_cell([r.ttft_p50 for r in rs], '.3f')} "
-                f"| {_cell([r.ttft_p90 for r in rs], '.3f')} | {split} | {sum(r.errors for r in rs)} |"
+                f"| {_cell([r.ttft_p90 for r in rs], '.3f')} | {_cell([r.ttft_mean for r in rs], '.3f')} "
+                f"| {split} | {sum(r.errors for r in rs)} |"
             )
     return "\n".join(lines) + "\n"
 
