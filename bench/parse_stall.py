@@ -27,6 +27,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 import orjson
@@ -35,6 +36,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from bench import looplag
 from kvlaunch import Procs, Stack, free_port
 
 CHUNK = 1024 * 1024
@@ -135,33 +137,80 @@ async def _probe_for(port: int, seconds: float) -> list[float]:
     return out
 
 
-def start_picker(offload_bytes: int, procs: Procs) -> int:
+@dataclass
+class Picker:
+    """One arrangement under test: the probes go to ``port``, the large bodies to ``big_port``
+    (the same picker, or a second process); ``lag`` is the probes' picker's loop-lag record."""
+
+    port: int
+    big_port: int
+    lag: pathlib.Path
+
+
+def start_picker(
+    name: str, offload_bytes: int, procs: Procs, watched: bool = True
+) -> tuple[int, pathlib.Path]:
     """A picker (plaintext ext_proc, no Envoy: the probes speak ext_proc themselves) through the
-    shared launcher, over 4 endpoints that are never scraped; returns its ext_proc port."""
-    d = procs.run_dir / f"offload-{offload_bytes}"
+    shared launcher, over 4 endpoints that are never scraped, run under :mod:`bench.looplag` when
+    ``watched``; returns its ext_proc port and its loop-lag record."""
+    d = procs.run_dir / name
     d.mkdir(exist_ok=True)
     cfg = d / "config.yaml"
     cfg.write_text(f"parse_offload_bytes: {offload_bytes}\n")
+    lag = d / "lag.txt"
+    lag.touch()
     st = Stack(Procs(d), [free_port() for _ in range(4)])
+    entry = ("-m", "bench.looplag", str(lag)) if watched else ("-m", "picker")
     try:
         args = ["--secure-serving", "false", "--scrape-interval", "3600", "--config-file", str(cfg)]
-        st.start_picker(*args, debug=False)
+        st.start_picker(*args, debug=False, entry=entry)
     finally:
-        procs.procs += [(f"offload-{offload_bytes}/{n}", p) for n, p in st.procs.procs]
+        procs.procs += [(f"{name}/{n}", p) for n, p in st.procs.procs]
     time.sleep(1.5)  # the parse worker spawns at start
-    return st.grpc_port
+    return st.grpc_port, lag
+
+
+LAYOUTS = ("one", "split")
+"""``one``: the large bodies go to the probes' picker (what a pod serves today); ``split``: to a
+second picker process on its own port (what a separate large-body ext_proc cluster would do), so the
+probes' picker never touches them and only the machine is shared."""
+
+
+def start_pickers(layouts: list[str], parsing: list[str], procs: Procs) -> dict[str, Picker]:
+    out: dict[str, Picker] = {}
+    for parse in parsing:
+        offload = 512 * 1024 if parse == "offload" else 0
+        for layout in layouts:
+            name = parse if layout == "one" else f"{parse}, split"
+            port, lag = start_picker(name.replace(", ", "-"), offload, procs)
+            big = port
+            if layout == "split":
+                big, _ = start_picker(f"{parse}-large", offload, procs, watched=False)
+            out[name] = Picker(port, big, lag)
+    return out
+
+
+def _worst_lag(lag: pathlib.Path, start: float, end: float) -> float:
+    """The picker loop's longest late wake-up (ms) that began in [start, end), 0 if none."""
+    return max((r[1] for r in looplag.read(str(lag)) if start <= r[0] < end), default=0.0)
 
 
 def run_once(
-    port: int, kind: str, size: int, count: int, gap: float, mode: str, chunk: int = CHUNK
+    picker: Picker, kind: str, size: int, count: int, gap: float, mode: str, chunk: int = CHUNK
 ) -> dict[str, float]:
-    base = asyncio.run(_probe_for(port, 2.0))
+    seconds = count * gap + 1.5
+    t0 = time.monotonic()
+    base = asyncio.run(_probe_for(picker.port, seconds))
+    t1 = time.monotonic()
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()
-    sender = ctx.Process(target=_send_big, args=(port, kind, size, count, gap, ready, mode, chunk))
+    args = (picker.big_port, kind, size, count, gap, ready, mode, chunk)
+    sender = ctx.Process(target=_send_big, args=args)
     sender.start()
     ready.wait(30)
-    loaded = asyncio.run(_probe_for(port, count * gap + 1.5))
+    t2 = time.monotonic()
+    loaded = asyncio.run(_probe_for(picker.port, seconds))
+    t3 = time.monotonic()
     sender.join(60)
     p50 = statistics.median(base)
     q = statistics.quantiles(loaded, n=100)
@@ -171,6 +220,8 @@ def run_once(
         "loaded_p99_ms": q[98] * 1e3,
         "loaded_max_ms": max(loaded) * 1e3,
         "stall_ms": (max(loaded) - p50) * 1e3,
+        "base_lag_ms": _worst_lag(picker.lag, t0, t1),
+        "loaded_lag_ms": _worst_lag(picker.lag, t2, t3),
     }
 
 
@@ -185,20 +236,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--chunk-kib", default=str(CHUNK // 1024), help="full-duplex body chunk sizes, comma-separated"
     )
+    p.add_argument("--layouts", default="one", help=f"where the large bodies go: {','.join(LAYOUTS)}")
+    p.add_argument("--parsing", default="offload,inline", help="offload (the default config), inline")
     a = p.parse_args(argv)
     size = int(a.size_mib * 1024 * 1024)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         procs = Procs(pathlib.Path(tmp))
         try:
-            pickers = {name: start_picker(b, procs) for name, b in (("offload", 512 * 1024), ("inline", 0))}
+            pickers = start_pickers(a.layouts.split(","), a.parsing.split(","), procs)
             chunks = [int(c) for c in a.chunk_kib.split(",")]
             for mode, kind in itertools.product(a.modes.split(","), a.kinds.split(",")):
                 for kib in chunks if mode == "full-duplex" else chunks[:1]:
                     runs: dict[str, list[dict[str, float]]] = {n: [] for n in pickers}
                     for _ in range(a.repeats):
-                        for name, port in pickers.items():  # side by side, interleaved
-                            runs[name].append(run_once(port, kind, size, a.bodies, a.gap, mode, kib * 1024))
+                        for name, picker in pickers.items():  # side by side, interleaved
+                            runs[name].append(run_once(picker, kind, size, a.bodies, a.gap, mode, kib * 1024))
                     label = f"{mode} ({kib} KiB chunks)" if mode == "full-duplex" else mode
                     for name, rs in runs.items():
                         rows.append((label, kind, name, rs))
@@ -207,9 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{a.size_mib:g} MiB bodies, {a.bodies} per run, {a.repeats} runs; median [min–max] over runs\n")
     print(
         "| body mode | body | parsing | probe p50 no load ms | worst probe no load ms | probe p99 with large bodies ms "
-        "| worst probe ms | stall ms |"
+        "| worst probe ms | stall ms | picker loop's worst lag no load ms | with large bodies ms |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for mode, kind, name, rs in rows:
 
         def cell(key: str, rs: list[dict[str, float]] = rs) -> str:
@@ -218,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(
             f"| {mode} | {kind} | {name} | {cell('base_p50_ms')} | {cell('base_max_ms')} | {cell('loaded_p99_ms')} | "
-            f"{cell('loaded_max_ms')} | {cell('stall_ms')} |"
+            f"{cell('loaded_max_ms')} | {cell('stall_ms')} | {cell('base_lag_ms')} | {cell('loaded_lag_ms')} |"
         )
     return 0
 

@@ -55,15 +55,18 @@ class Stack:
         endpoints: list[int] | None = None,
         debug: bool = True,
         env: dict[str, str] | None = None,
+        entry: tuple[str, ...] = ("-m", "picker"),
     ) -> subprocess.Popen[bytes]:
         """The picker on this stack's ports, routing to the loopback ports ``endpoints`` (default:
         the stack's upstreams; ``[]``: no static list, discovery comes from ``extra``, e.g.
-        ``--pool-name``). Returns once its metrics and ext_proc ports accept connections."""
+        ``--pool-name``), started as ``python *entry`` (a wrapper such as ``bench.looplag`` that
+        runs the picker with these arguments). Returns once its metrics and ext_proc ports accept
+        connections."""
         self.grpc_port = self.grpc_port or free_port()
         self.health_port = self.health_port or free_port()
         self.metrics_port = self.metrics_port or free_port()
         eps = [f"127.0.0.1:{p}" for p in (self.upstreams if endpoints is None else endpoints)]
-        args = [PY, "-m", "picker", "--endpoints", ",".join(eps), "--host", "127.0.0.1"]
+        args = [PY, *entry, "--endpoints", ",".join(eps), "--host", "127.0.0.1"]
         args += ["--grpc-port", str(self.grpc_port), "--grpc-health-port", str(self.health_port)]
         args += ["--metrics-port", str(self.metrics_port)]
         if debug:
