@@ -43,6 +43,11 @@ the send (the receiver dates it by its own clock). Mixed versions: a picker olde
 subscribes to ``pick`` and ``load`` only, so the publisher filters ``scrape`` out before sending it
 any; it never sends one either, so the newer pickers never count it as an owner: it scrapes every
 endpoint itself, and they split the scrapes among themselves. A malformed batch is dropped whole.
+A peer's outcome can take an endpoint out of routing: peers are trusted as for picks (only the
+configured addresses are subscribed to).
+
+Receiving: every message queued at a wake-up is taken in one event-loop callback
+(:class:`~picker.core.drain.Drain`), not a task step each.
 
 Discovery: the static ``peers`` addresses, plus, with ``peer_dns`` (``host:port``, e.g. a headless
 Service naming every picker pod), whatever that name resolves to, re-resolved every
