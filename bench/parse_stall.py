@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{a.size_mib:g} MiB bodies, {a.bodies} per run, {a.repeats} runs; median [min–max] over runs\n")
     print(
         "| body mode | body | parsing | probe p50 no load ms | worst probe no load ms | probe p99 with large bodies ms "
-        "| worst probe ms | stall ms | picker loop's worst lag no load ms | with large bodies ms "
+        "| worst probe ms | stall ms | picker loop's longest gap no load ms | with large bodies ms "
         "| its main-thread CPU ms |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
