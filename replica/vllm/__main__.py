@@ -33,7 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     a, rest = p.parse_known_args(argv)
     model = rest.pop(0) if rest and not rest[0].startswith("-") else None
     cmd = build_command(model, rest, a.kv_events_endpoint, a.async_ if a.async_ is not None else _cuda())
-    print(json.dumps(effective_config(cmd, os.environ), indent=2), flush=True)
+    try:
+        config = effective_config(cmd, os.environ)
+    except ValueError as e:
+        print(f"replica.vllm: bad configuration: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(config, indent=2), flush=True)
     if a.print_only:
         return 0
     os.execv(cmd[0], cmd)

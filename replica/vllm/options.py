@@ -25,7 +25,8 @@ class PrefixAwareOptions:
     aging_s: float = 2.0
 
     def __post_init__(self) -> None:
-        assert self.aging_s >= 0, f"aging_s must be >= 0, got {self.aging_s}"
+        if not self.aging_s >= 0:
+            raise ValueError(f"aging_s must be >= 0, got {self.aging_s}")
 
     @property
     def any_on(self) -> bool:
@@ -40,12 +41,15 @@ def load_options(
     env: Mapping[str, str] | None = None, additional: Mapping[str, object] | None = None
 ) -> PrefixAwareOptions:
     """Read ``KVPICK_CACHE_AWARE_ADMISSION``, ``KVPICK_DEDUPE_SHARED_PREFIXES`` and
-    ``KVPICK_AGING_S``, then the ``kvpick`` entry of vLLM's additional config."""
+    ``KVPICK_AGING_S``, then the ``kvpick`` entry of vLLM's additional config. A bad setting
+    raises ``ValueError`` (a configuration error, not a broken invariant: ``python -O`` must not
+    skip it); ``python -m replica.vllm`` turns it into a one-line message and exit status 2."""
     env = os.environ if env is None else env
-    assert "KVPICK_PAGE_ALIGNED_PREFILL" not in env, (
-        "KVPICK_PAGE_ALIGNED_PREFILL was removed: page-aligned prefill helped nowhere "
-        "(bench/results/replica.md); unset it"
-    )
+    if "KVPICK_PAGE_ALIGNED_PREFILL" in env:
+        raise ValueError(
+            "KVPICK_PAGE_ALIGNED_PREFILL was removed: page-aligned prefill helped nowhere "
+            "(bench/results/replica.md); unset it"
+        )
     raw: dict[str, object] = {
         "cache_aware_admission": env.get("KVPICK_CACHE_AWARE_ADMISSION", ""),
         "dedupe_shared_prefixes": env.get("KVPICK_DEDUPE_SHARED_PREFIXES", ""),
@@ -54,7 +58,8 @@ def load_options(
     extra = (additional or {}).get("kvpick", {})
     if isinstance(extra, Mapping):
         unknown = set(extra) - set(raw)
-        assert not unknown, f"unknown kvpick options in --additional-config: {sorted(unknown)}"
+        if unknown:
+            raise ValueError(f"unknown kvpick options in --additional-config: {sorted(unknown)}")
         raw.update(extra)
     return PrefixAwareOptions(
         cache_aware_admission=_flag(raw["cache_aware_admission"]),
