@@ -189,7 +189,14 @@ def test_hot_prefix_spills_once_its_holder_is_measurably_slower(
                 )
                 for p in cold
             ]
-            time.sleep(0.6)  # a few scrapes: the picker sees the holder's queue
+            # Wait until the picker has scraped the holder's queue (a fixed 0.6 s was too short
+            # once in a loaded CI run: the 64 prompts reach vLLM's queue only after its API
+            # server has tokenized them).
+            key = replicas[holder].split("//", 1)[1]
+            deadline = time.monotonic() + 20
+            while (view := st.endpoints()[key])["waiting"] < 8:
+                assert time.monotonic() < deadline, f"the picker never saw the holder's queue: {view}"
+                time.sleep(0.05)
             spilled = send_hot(3)
             for f in futures:
                 assert f.result()[0] == 200
