@@ -1,14 +1,19 @@
-"""The picker's own Prometheus metrics (GIE names where the meaning is the same)."""
+"""The picker's own Prometheus metrics (GIE names where the meaning is the same).
+
+Those counted per request (outcomes, pick and plugin latencies, hit ratio, message kinds) are
+plain numbers (:mod:`picker.serving.tally`), collected at scrape time; the rest (gauges mirrored
+from state at scrape time, scrape errors) are prometheus_client's own metric classes."""
 
 from __future__ import annotations
 
 import contextlib
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from picker.core.endpoints.pool import Pool
 from picker.core.prefix.index import PrefixIndex
+from picker.serving.tally import Count, Observations, Tally
 
 _LAT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -34,41 +39,55 @@ class Telemetry:
         self.extension_points: dict[str, str] = {}
         """Plugin name → GIE extension point (Filter, Scorer, Picker), for the plugin histogram;
         filled before the first request (a plugin's child is bound on its first timing)."""
-        self._plugin_children: dict[str, Histogram] = {}
+        self._plugin_children: dict[str, Observations] = {}
         """Plugin name → its bound histogram child: a ``labels()`` lookup costs more than the
         observation, and each pick times about six plugins. Bounded by the configured plugins."""
-        self._objective_children: dict[tuple[str, str], Counter] = {}
+        self._objective_children: dict[tuple[str, str], Count] = {}
         """(model, target model) → bound counter child; at most ``MAX_MODEL_LABELS`` + 1."""
-        self.requests = Counter(
-            "kvpick_requests", "Requests by decision and outcome", ["decision", "outcome"], registry=r
+        tally = self.tally = Tally()
+        """The per-request metrics (:mod:`picker.serving.tally`): counted in plain numbers on the
+        event loop, turned into metric families when ``/metrics`` is read."""
+        self.requests = tally.counter(
+            "kvpick_requests", "Requests by decision and outcome", ["decision", "outcome"]
         )
-        self.served = Counter(
+        """Labels bounded by the code: a decision (``prefix_hit``, ``prefix_miss``, ``bodiless``,
+        ``rejected``, ``none``, with the response's status class where seen) and an outcome."""
+        self.served = tally.counter(
             "kvpick_served_reports",
             "Served endpoints Envoy reported on the response path (x-gateway-destination-endpoint-"
             "served), by whether the picker's primary served, or another endpoint it was credited to",
             ["served"],
-            registry=r,
         )
         self.served_primary, self.served_other = self.served.labels("primary"), self.served.labels("other")
-        self.e2e = Histogram(
+        self.e2e = tally.histogram(
             "inference_extension_scheduler_e2e_duration_seconds",
             "End-to-end scheduling latency (parse, hash, score, pick)",
-            buckets=_LAT_BUCKETS,
-            registry=r,
-        )
-        self.plugin = Histogram(
+            _LAT_BUCKETS,
+        ).labels()
+        self.plugin = tally.histogram(
             "inference_extension_plugin_duration_seconds",
             "Plugin processing latency per extension point, plugin type and plugin name",
+            _LAT_BUCKETS,
             ["extension_point", "plugin_type", "plugin_name"],
-            buckets=_LAT_BUCKETS,
-            registry=r,
         )
-        self.objective_requests = Counter(
+        """One series per configured plugin."""
+        self.objective_requests = tally.counter(
             "inference_objective_request_total",
             "Requests picked for, by model and target model",
             ["model_name", "target_model_name"],
-            registry=r,
         )
+        """At most ``MAX_MODEL_LABELS`` (model, target) pairs, then "other"."""
+        self.prefix_hit_ratio = tally.histogram(
+            "inference_extension_prefix_indexer_hit_ratio",
+            "Fraction of a request's prefix blocks found on the chosen endpoint",
+            (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+        ).labels()
+        self.extproc_messages = tally.counter(
+            "kvpick_extproc_messages",
+            "ext_proc messages received from Envoy, by kind (request_headers, request_body, ...)",
+            ["kind"],
+        )
+        """One series per ext_proc message kind (``picker.serving.extproc.MESSAGE_KINDS``)."""
         self.avg_kv = Gauge(
             "inference_pool_average_kv_cache_utilization",
             "Average KV-cache utilization (0-1) over the pool's routable endpoints",
@@ -86,12 +105,6 @@ class Telemetry:
             "Blocks held in the approximate prefix index",
             registry=r,
         )
-        self.prefix_hit_ratio = Histogram(
-            "inference_extension_prefix_indexer_hit_ratio",
-            "Fraction of a request's prefix blocks found on the chosen endpoint",
-            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
-            registry=r,
-        )
         self.ready_pods = Gauge(
             "inference_pool_ready_pods", "Routable endpoints in the pool", ["name"], registry=r
         )
@@ -102,12 +115,6 @@ class Telemetry:
             "kvpick_endpoint_in_flight_tokens",
             "Prompt tokens of in-flight requests",
             ["endpoint"],
-            registry=r,
-        )
-        self.extproc_messages = Counter(
-            "kvpick_extproc_messages",
-            "ext_proc messages received from Envoy, by kind (request_headers, request_body, ...)",
-            ["kind"],
             registry=r,
         )
         self.scrape_errors = Counter(
@@ -128,6 +135,7 @@ class Telemetry:
             ["endpoint"],
             registry=r,
         )
+        r.register(tally)
         self.scraper: ScrapeCounts | None = None
         """Set by the server: the scraper whose counts and ownership :meth:`refresh` mirrors."""
         self._scrapes_seen = (0, 0)
@@ -143,8 +151,8 @@ class Telemetry:
         """One picked request (``inference_objective_request_total``), label values bounded."""
         child = self._objective_children.get((model, target_model))
         if child is None:
-            metrics = self.objective_requests._metrics
-            if (model, target_model) not in metrics and len(metrics) >= MAX_MODEL_LABELS:
+            series = self.objective_requests.series
+            if (model, target_model) not in series and len(series) >= MAX_MODEL_LABELS:
                 model = target_model = "other"
             child = self.objective_requests.labels(model, target_model)
             self._objective_children[(model, target_model)] = child

@@ -1,9 +1,11 @@
-"""The picker's own metrics: per-endpoint series leave with their endpoint."""
+"""The picker's own metrics: per-endpoint series leave with their endpoint; the per-request ones,
+counted in plain numbers, expose what prometheus_client would."""
 
 from __future__ import annotations
 
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from picker.serving.tally import Tally
 from picker.serving.telemetry import Telemetry
 
 GONE, KEPT = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -23,3 +25,38 @@ def test_forget_drops_every_series_of_the_departed_endpoint() -> None:
     assert t.registry.get_sample_value("kvpick_scrape_errors_total", labels) == 1
     assert t.registry.get_sample_value("kvpick_endpoint_in_flight_requests", {"endpoint": KEPT}) == 1
     t.forget(GONE)  # idempotent
+
+
+def _samples(registry: CollectorRegistry) -> list[tuple[str, list[tuple[str, str]], float]]:
+    """Every sample but the ``_created`` timestamps, in a stable order."""
+    return sorted(
+        (s.name, sorted(s.labels.items()), s.value)
+        for m in registry.collect()
+        for s in m.samples
+        if not s.name.endswith("_created")
+    )
+
+
+def test_tally_exposes_what_prometheus_client_would() -> None:
+    """Counts kept in plain numbers give the samples prometheus_client's own classes give for the
+    same observations: ``le`` inclusive and cumulative, ``+Inf``, ``_sum``, ``_count``, ``_total``."""
+    bounds = (0.0, 0.1, 0.25, 1.0)
+    values = [0.0, 0.1, 0.1000001, 0.2, 0.25, 0.99, 1.0, 3.5, -1.0]
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    tally = Tally()
+    hist = tally.histogram("h_seconds", "doc", bounds, ["a"])
+    count = tally.counter("c", "doc", ["a", "b"])
+    plain = tally.histogram("p", "doc", bounds)
+    ours.register(tally)
+    ref_hist = Histogram("h_seconds", "doc", ["a"], buckets=bounds, registry=theirs)
+    ref_count = Counter("c", "doc", ["a", "b"], registry=theirs)
+    Histogram("p", "doc", buckets=bounds, registry=theirs)  # no observation: all zero, as ours
+    for v in values:
+        hist.labels("x").observe(v)
+        ref_hist.labels("x").observe(v)
+    count.labels("x", "y").inc()
+    count.labels("x", "y").inc(2)
+    ref_count.labels("x", "y").inc(3)
+    assert plain.labels().counts == [0] * (len(bounds) + 1)
+    assert _samples(ours) == _samples(theirs)
+    assert {m.name: m.type for m in ours.collect()} == {m.name: m.type for m in theirs.collect()}
