@@ -56,22 +56,33 @@ def chain_keys(
     parent: int = 0,
 ) -> list[int]:
     """Our keys of the full blocks of ``tokens`` chained after ``parent`` (0: the first block).
-    ``extras[i]`` is block ``i``'s extra keys (None or missing: none)."""
+    ``extras[i]`` is block ``i``'s extra keys (None or missing: none).
+
+    Per block: one xxh64 call over a slice of one C-level conversion of all the tokens (no
+    per-block pack), the chain carried in the seed; an extra's fold is computed once per run of
+    equal extras (a LoRA name repeats on every block), not once per block."""
     n = len(tokens) // block_size
     if n == 0:
         return []
-    data = array("I", tokens[: n * block_size]).tobytes()
+    whole = n * block_size
+    data = array("I", tokens if len(tokens) == whole else tokens[:whole]).tobytes()
     step = block_size * 4
     xxh = xxhash.xxh64_intdigest
     h = parent
     if not extras or not any(extras):
         return [h := xxh(data[off : off + step], h) & MASK60 for off in range(0, len(data), step)]
-    out: list[int] = []
-    for i, off in enumerate(range(0, len(data), step)):
+    seeds: list[int] = []
+    last: Sequence[Any] | None = None
+    fold = 0
+    for i in range(n):
         e = extras[i] if i < len(extras) else None
-        h = xxh(data[off : off + step], h ^ extra_seed(e)) & MASK60
-        out.append(h)
-    return out
+        if e != last:
+            last, fold = e, extra_seed(e)
+        seeds.append(fold)
+    return [
+        h := xxh(data[off : off + step], h ^ fold) & MASK60
+        for off, fold in zip(range(0, len(data), step), seeds, strict=True)
+    ]
 
 
 def request_keys(tokens: Sequence[int], block_size: int, lora: str = "", salt: str = "") -> list[int]:
@@ -187,12 +198,13 @@ class PreciseIndex:
         )
         bit, mask, dup = 1 << s, self._mask, self._dup[s]
         copies = self._copies[s]
+        mget = mask.get
         for eh, k in zip(engine_hashes, keys, strict=True):
             if eh in held:
                 copies[eh] = copies.get(eh, 0) + 1
                 continue
             held[eh] = k
-            m = mask.get(k, 0)
+            m = mget(k, 0)
             if m & bit:  # rare: two engine hashes for one key (e.g. keys we do not fold)
                 dup[k] = dup.get(k, 0) + 1
             mask[k] = m | bit
@@ -203,25 +215,26 @@ class PreciseIndex:
 
     def removed(self, key: str, engine_hashes: Iterable[int]) -> None:
         s = self.slot(key)
-        held, copies, mask, bit = self._held[s], self._copies[s], self._mask, 1 << s
+        held, copies, dup, mask = self._held[s], self._copies[s], self._dup[s], self._mask
+        keep, pop, mget = ~(1 << s), held.pop, mask.get
         for eh in engine_hashes:
-            n = copies.get(eh)
-            if n is not None:  # another engine block still carries this hash
-                if n > 1:
-                    copies[eh] = n - 1
-                else:
-                    del copies[eh]
-                continue
-            k = held.pop(eh, None)
+            if copies:  # rare: checked per hash only while some hash is cached twice
+                n = copies.get(eh)
+                if n is not None:  # another engine block still carries this hash
+                    if n > 1:
+                        copies[eh] = n - 1
+                    else:
+                        del copies[eh]
+                    continue
+            k = pop(eh, None)
             if k is None:
                 continue
-            dup = self._dup[s]
-            if k in dup:  # another engine hash still carries this key
+            if dup and k in dup:  # rare: another engine hash still carries this key
                 dup[k] -= 1
                 if not dup[k]:
                     del dup[k]
                 continue
-            m = mask.get(k, 0) & ~bit
+            m = mget(k, 0) & keep
             if m:
                 mask[k] = m
             else:
@@ -236,11 +249,12 @@ class PreciseIndex:
         s = self.slot(key)
         until, bit, smask = self._spec_until[s], 1 << s, self._spec_mask
         exp = now + self.spec_ttl_s
+        sget, n0 = smask.get, len(until)
         for k in keys:
             if k not in until:
-                smask[k] = smask.get(k, 0) | bit
-                self._spec_count += 1
+                smask[k] = sget(k, 0) | bit
             until[k] = exp
+        self._spec_count += len(until) - n0
         self._spec_queue.append((exp, s, list(keys)))
         while self._spec_count > self.max_speculative and self._spec_queue:
             self._expire_one()
@@ -255,16 +269,17 @@ class PreciseIndex:
         until = self._spec_until.get(s)
         if until is None:
             return
-        bit, smask = 1 << s, self._spec_mask
+        keep, smask, uget, sget = ~(1 << s), self._spec_mask, until.get, self._spec_mask.get
+        later, n0 = exp + 1, len(until)
         for k in keys:
-            if until.get(k, exp + 1) <= exp:
+            if uget(k, later) <= exp:  # not refreshed since (a repeated key: gone the first time)
                 del until[k]
-                self._spec_count -= 1
-                m = smask.get(k, 0) & ~bit
+                m = sget(k, 0) & keep
                 if m:
                     smask[k] = m
                 else:
                     smask.pop(k, None)
+        self._spec_count -= n0 - len(until)
 
     def _drop_speculative(self, s: int) -> None:
         bit, smask = 1 << s, self._spec_mask
@@ -297,14 +312,16 @@ class PreciseIndex:
         for k in keys:
             if not mask:
                 break
-            m = (cget(k, 0) | sget(k, 0)) & mask
-            if m != mask:
-                gone = mask & ~m
-                while gone:
-                    low = gone & -gone
-                    out[live[low.bit_length() - 1]] = depth
-                    gone ^= low
-                mask = m
+            m = cget(k, 0) & mask
+            if m != mask:  # the speculative entries only where the confirmed ones fall short
+                m |= sget(k, 0) & mask
+                if m != mask:
+                    gone = mask & ~m
+                    while gone:
+                        low = gone & -gone
+                        out[live[low.bit_length() - 1]] = depth
+                        gone ^= low
+                    mask = m
             depth += 1
         while mask:
             low = mask & -mask
