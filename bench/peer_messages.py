@@ -17,6 +17,11 @@ thread) per message, and beside it the same decoding and indexing called back to
 ZMQ's I/O thread, caches gone cold in between). ``--burst K`` sends K messages back to back every
 ``--gap-ms`` (as a busy replica's steps and several peers' picks pile up between two wake-ups).
 Medians over ``--repeats`` runs with [min-max].
+
+``--split``: where a ``BlockStored`` batch's in-loop cost goes, per block, stage by stage (each the
+fastest of ``--repeats`` passes over the same messages, CPU time): msgpack decoding, the event
+checks, the token ids turned into bytes, the chained hashing, the index inserts; and beside them
+the same blocks' removal, and their speculative entry and expiry (a peer's pick of them).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import random
 import resource
 import statistics
 import time
+from array import array
 from collections.abc import Callable
 
 import msgpack
@@ -39,8 +45,8 @@ from picker.core.config import PrefixConfig, RouterConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
 from picker.core.peers import Peers
-from picker.core.prefix.events import State, Subscriber, Sync, apply, decode_batch
-from picker.core.prefix.precise import PreciseIndex
+from picker.core.prefix.events import State, Stored, Subscriber, Sync, apply, decode_batch
+from picker.core.prefix.precise import PreciseIndex, chain_keys
 from picker.core.router import Router
 
 BS = 16
@@ -145,6 +151,76 @@ def measure(kind: str, n: int, blocks: int, gap_s: float, burst: int = 1) -> tup
     return woken, _in_a_loop(kind, n, blocks)
 
 
+def _fastest(fn: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fn()
+        best = min(best, time.process_time() - t0)
+    return best
+
+
+def split(n: int, blocks: int, repeats: int) -> list[tuple[str, float]]:
+    """``[(stage, µs per block)]`` of indexing ``n`` ``BlockStored`` batches of ``blocks`` blocks."""
+    payloads = [m[2] for m in _messages("kv-event", n, blocks)]
+    events = [e for p in payloads for e in decode_batch(p) if isinstance(e, Stored)]
+    keys = [chain_keys(e.token_ids, e.block_size) for e in events]
+
+    def unpack() -> None:
+        for p in payloads:
+            msgpack.unpackb(p, raw=False, strict_map_key=False)
+
+    def decode() -> None:
+        for p in payloads:
+            decode_batch(p)
+
+    def to_bytes() -> None:
+        for e in events:
+            array("I", e.token_ids).tobytes()
+
+    def store() -> PreciseIndex:
+        index = PreciseIndex()
+        for e in events:
+            index.stored("e", e.block_hashes, e.parent, e.token_ids, e.block_size, e.extras)
+        return index
+
+    def keys_only() -> None:
+        for e in events:
+            chain_keys(e.token_ids, e.block_size, e.extras)
+
+    def store_remove() -> None:
+        index = store()
+        for e in events:
+            index.removed("e", e.block_hashes)
+
+    def speculate() -> None:
+        index = PreciseIndex(spec_ttl_s=1.0)
+        for i, k in enumerate(keys):
+            index.speculate("e", k, i * 0.01)  # one pick every 10 ms, each expiring after 1 s
+        index.speculate("e", [], 1e9)  # the rest expire
+        index.match_many(["e"], keys[0], 1e9)
+
+    t = {name: _fastest(fn, repeats) for name, fn in [
+        ("unpack", unpack), ("decode", decode), ("bytes", to_bytes),
+        ("keys", keys_only), ("store", store), ("store+remove", store_remove), ("speculate", speculate),
+    ]}  # fmt: skip
+    whole = _fastest(lambda: [apply(PreciseIndex(), "e", decode_batch(p)) for p in payloads], repeats)
+    per = 1e6 / (n * blocks)
+    return [
+        ("msgpack decode (token ids become Python ints)", t["unpack"] * per),
+        ("event checks (decode_batch beyond msgpack)", (t["decode"] - t["unpack"]) * per),
+        ("token ids to bytes (one array('I') per batch)", t["bytes"] * per),
+        (
+            "slices + xxh64, chained through the seed (chain_keys beyond the bytes)",
+            (t["keys"] - t["bytes"]) * per,
+        ),
+        ("index inserts (stored() beyond its keys)", (t["store"] - t["keys"]) * per),
+        ("whole BlockStored, decoded and applied", whole * per),
+        ("its removal later (BlockRemoved applied)", (t["store+remove"] - t["store"]) * per),
+        ("a peer's pick of it: speculative entry + expiry", t["speculate"] * per),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.peer_messages", description=__doc__)
     p.add_argument("--messages", type=int, default=1000)
@@ -152,7 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap-ms", type=float, default=4.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--burst", type=int, default=1, help="messages sent back to back every --gap-ms")
+    p.add_argument("--split", action="store_true", help="the in-loop cost per block, stage by stage")
     a = p.parse_args(argv)
+    if a.split:
+        print(f"| stage ({a.blocks} blocks of {BS} tokens per batch) | µs per block |")
+        print("|---|---|")
+        for stage, us in split(a.messages, a.blocks, max(a.repeats, 5)):
+            print(f"| {stage} | {us:.3f} |")
+        return 0
     print(f"| message ({a.blocks} blocks, {a.burst} at a time) | CPU ms per message, received | in a loop |")
     print("|---|---|---|")
     for kind in KINDS:
