@@ -207,6 +207,31 @@ def body_chunks(
         yield pb.ProcessingResponse(**{kind: pb.BodyResponse(response=common)})
 
 
+class BodyAnswers:
+    """The answer to a BUFFERED body that leaves it unchanged and sends the client's own
+    ``x-request-id`` depends on the destination alone (its header mutation and ``envoy.lb``
+    metadata): built once per destination, then sent as it is by every stream that picks it
+    (building one costs more than the rest of the handler's protocol work). Never modified once
+    stored. Bounded: cleared when it holds ``limit`` destinations (there are as many as endpoints,
+    times their orders where fallbacks are sent). Writer: the event loop, through :class:`Exchange`."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        assert limit >= 1, f"limit must be positive, got {limit}"
+        self.limit = limit
+        self._by_destination: dict[str, pb.ProcessingResponse] = {}
+
+    def get(self, destination: str, build: Callable[[], pb.ProcessingResponse]) -> pb.ProcessingResponse:
+        answer = self._by_destination.get(destination)
+        if answer is None:
+            if len(self._by_destination) >= self.limit:
+                self._by_destination.clear()
+            answer = self._by_destination[destination] = build()
+        return answer
+
+    def __len__(self) -> int:
+        return len(self._by_destination)
+
+
 @dataclass
 class Exchange:
     """State of one HTTP request's exchange. Protocol state only; lifecycle is the ticket's."""
@@ -234,6 +259,8 @@ class Exchange:
     """The body's parse, when it was made off the event loop before the pick."""
     skip_response_headers: bool = False
     """Ask Envoy (``mode_override``) not to send the response path, where the modes allow it."""
+    body_answers: BodyAnswers | None = None
+    """The service's shared answers to unchanged BUFFERED bodies (None: built per request)."""
 
     # -- request path -------------------------------------------------------------------------
     def on_request_headers(
@@ -296,14 +323,22 @@ class Exchange:
             head = self._override(self._headers_response(len(new_body) if new_body is not None else None))
             out = new_body if new_body is not None else chunks
             return itertools.chain((head,), body_chunks(out, "request_body", eos))
+        if (
+            new_body is None
+            and self.body_answers is not None
+            and self.request_id == self.headers.get(REQUEST_ID)
+        ):
+            return [self.body_answers.get(self.destination, self._body_answer)]
+        return [self._body_answer(new_body)]
+
+    def _body_answer(self, new_body: bytes | None = None) -> pb.ProcessingResponse:
+        """The BUFFERED body's answer: the mutation, and the body where it was rewritten."""
         common = self._mutation(body_len=len(new_body) if new_body is not None else None)
         if new_body is not None:
             common.body_mutation.body = new_body
-        return [
-            pb.ProcessingResponse(
-                request_body=pb.BodyResponse(response=common), dynamic_metadata=self._metadata()
-            )
-        ]
+        return pb.ProcessingResponse(
+            request_body=pb.BodyResponse(response=common), dynamic_metadata=self._metadata()
+        )
 
     def _pick(self, chunks: Sequence[bytes]) -> bytes | None:
         """Parse (unless done off the loop), route and start accounting. Returns a rewritten
@@ -429,6 +464,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._counted = {k: telemetry.extproc_messages.labels(k) for k in MESSAGE_KINDS} if telemetry else {}
         """Pre-bound counter children: one ``inc`` per message, no label lookup."""
         self.status_linger_s = STATUS_LINGER_S
+        self.body_answers = BodyAnswers()
+        """Shared by every stream's :class:`Exchange`."""
         """How long a finished stream waits for Envoy's reset before it ends with a status."""
 
     async def _offload(self, ex: Exchange, msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
@@ -519,6 +556,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self.router, self.telemetry, self.router.cfg.max_body_bytes, self.default_mode, self.default_mode
         )
         ex.skip_response_headers = self.skip_response_headers
+        ex.body_answers = self.body_answers
         outcome = "aborted"
         self.open_streams += 1
         try:
