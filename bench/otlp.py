@@ -47,6 +47,8 @@ class TraceSink(otlp_grpc.TraceServiceServicer):
     ) -> otlp.ExportTraceServiceResponse:
         got: dict[str, Span] = {}
         for rs in request.resource_spans:
+            res = {a.key: a.value.string_value for a in rs.resource.attributes}
+            pid = int(res.get("vllm.process_id") or 0)
             for ss in rs.scope_spans:
                 for s in ss.spans:
                     if s.name != SPAN:
@@ -54,7 +56,7 @@ class TraceSink(otlp_grpc.TraceServiceServicer):
                     attrs = {a.key: a.value for a in s.attributes}
                     rid = attrs["gen_ai.request.id"].string_value if "gen_ai.request.id" in attrs else ""
                     vals = {short: attrs[k].double_value for k, short in ATTRS.items() if k in attrs}
-                    got[rid] = Span(s.start_time_unix_nano / 1e9, **vals)
+                    got[rid] = Span(s.start_time_unix_nano / 1e9, **vals, process=pid)
         with self._lock:
             self.spans.update(got)
         return otlp.ExportTraceServiceResponse()

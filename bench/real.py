@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING
 from kvlaunch import Procs, Stack, free_port, http
 from replica.vllm.tiny import ENV, build_tiny, command, cpu_binding
 
-from . import loadgen, split, stats
+from . import loadgen, pooled, split, stats
 from .engine_view import PICKER_HISTOGRAMS, Hist, group_cpu, histograms
 from .fleet import Fleet, FleetConfig
 from .routers import PEERS, router
@@ -83,6 +83,9 @@ APPROXIMATE = "-approximate"
 VARIANT = "+"
 """``cost+scrape-interval=1.0``: the router ``cost`` with ``--scrape-interval 1.0`` added (one
 flag at a time, side by side with the others)."""
+SOURCE = "@"
+"""``cost@base``: the router ``cost`` run from the source tree ``--source base=DIR`` (its picker
+and its Envoy config), side by side with this checkout's."""
 WORKLOADS = ("shared-prefix", "multi-turn", "no-sharing")
 
 
@@ -155,12 +158,34 @@ def picker_variant(name: str, fleet: VllmFleet) -> tuple[str, list[str]]:
     ]
 
 
-def workloads(seed: int) -> list[Workload]:
+def split_source(name: str, sources: dict[str, str]) -> tuple[str, str]:
+    """``cost@base`` -> (``cost``, the tree ``--source base=DIR`` names); a name without ``@``
+    runs from this checkout (``""``)."""
+    base, at, tag = name.partition(SOURCE)
+    if not at:
+        return name, ""
+    if tag not in sources:
+        raise ValueError(f"router {name!r}: no --source {tag}=DIR given (have {sorted(sources)})")
+    if base in PEERS:
+        raise ValueError(f"router {name!r}: a peer router has no source tree of ours")
+    return base, sources[tag]
+
+
+def workloads(seed: int, scale: int = 1) -> list[Workload]:
+    """The three workloads (module doc); ``scale`` multiplies their groups, sessions and prompts
+    (the rate stays): more requests per window for the p90, while ``scale`` 1 keeps the tables
+    comparable with earlier runs."""
+    assert scale >= 1, f"scale must be >= 1, got {scale}"
     sp = shared_prefix(
-        groups=8, prompts_per_group=8, system_prompt_len=240, question_len=24, output_len=16, seed=seed
+        groups=8 * scale,
+        prompts_per_group=8,
+        system_prompt_len=240,
+        question_len=24,
+        output_len=16,
+        seed=seed,
     )
-    mt = multi_turn(sessions=8, turns=4, system_len=64, user_len=24, answer_len=16, seed=seed)
-    ns = no_sharing(64, 260, 16, seed=seed)
+    mt = multi_turn(sessions=8 * scale, turns=4, system_len=64, user_len=24, answer_len=16, seed=seed)
+    ns = no_sharing(64 * scale, 260, 16, seed=seed)
     return [dataclasses.replace(sp, name="shared-prefix"), mt, ns]
 
 
@@ -230,6 +255,8 @@ class Probes:
     """Envoy's access log (``--split``, kvpick)."""
     picker_metrics: str = ""
     """The picker's metrics URL (kvpick)."""
+    replicas: dict[int, int] = field(default_factory=dict)
+    """Each vLLM API server's pid -> its replica's index (which replica served, from its span)."""
 
 
 def _pick_hist(p: Probes) -> Hist:
@@ -255,7 +282,9 @@ def _split(outcomes: list[loadgen.Outcome], p: Probes, out: pathlib.Path | None)
         seg = split.segments(o, spans.get(o.request_id), envoy.get(o.request_id) if p.access_log else None)
         if seg is not None:
             segs.append(seg)
-            rows.append(json.dumps({"index": o.index, "id": o.request_id, **seg}) + "\n")
+            span = spans[o.request_id]  # segments() is None without it
+            replica = p.replicas.get(span.process, -1)
+            rows.append(json.dumps({"index": o.index, "id": o.request_id, "replica": replica, **seg}) + "\n")
     if out is not None:
         out.write_text("".join(rows), encoding="utf-8")
     return split.summarize(segs)
@@ -328,6 +357,12 @@ class Options:
 
     sink: TraceSink | None = None
     engine_nice: tuple[int, ...] = (0,)
+    sources: dict[str, str] = field(default_factory=dict)
+    """``--source NAME=DIR``: the trees ``ROUTER@NAME`` runs from."""
+    first_repeat: int = 0
+    """The first repeat's number (and arrival seed): a run continuing another's repeats."""
+    scale: int = 1
+    """:func:`workloads`' ``scale``."""
 
 
 def _renice(fleet: VllmFleet, nice: int) -> None:
@@ -377,13 +412,14 @@ def run_all(
     runs: list[Run] = []
     _renice(fleet, opts.engine_nice[0])
     warm_up(fleet, rate)
-    for rep in range(repeats):
-        ws = [w for w in workloads(seed=0) if w.name in only]
+    for rep in range(opts.first_repeat, opts.first_repeat + repeats):
+        ws = [w for w in workloads(seed=0, scale=opts.scale) if w.name in only]
         # Each repeat starts with the next router: a router always run first (or last) would
         # carry whatever the position costs (the machine's other load drifting over a repeat).
         k = rep % len(routers)
         for name in [*routers[k:], *routers[:k]]:
-            policy, args = picker_variant(name, fleet)
+            variant, source = split_source(name, opts.sources)
+            policy, args = picker_variant(variant, fleet)
             routed: list[Procs] = []
             stacks: list[Stack] = []
             log = run_dir / f"r{rep}" / name / "access.log"
@@ -397,12 +433,15 @@ def run_all(
                 started=routed.append,
                 envoy_args=envoy_args,
                 stack_seen=stacks.append,
+                source=source,
             ) as urls:
+                vllm = [p.pid for _, p in fleet.children.procs]
                 probes = Probes(
-                    {f"vllm-{i}": [p.pid] for i, (_, p) in enumerate(fleet.children.procs)},
+                    {f"vllm-{i}": [pid] for i, pid in enumerate(vllm)},
                     opts.sink,
                     log if opts.sink and stacks else None,
                     f"http://127.0.0.1:{stacks[0].metrics_port}" if stacks else "",
+                    {pid: i for i, pid in enumerate(vllm)},
                 )
                 probes.groups["router"] = [p.pid for c in routed for _, p in c.procs]
                 for w in ws:
@@ -489,12 +528,38 @@ def main(argv: list[str] | None = None) -> int:
         help="per-request split of TTFT (client, Envoy's access log, vLLM's spans), joined on x-request-id",
     )
     p.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="another source tree (`git archive REV | tar -x -C DIR`) for the routers ROUTER@NAME: "
+        "its picker and its Envoy config, side by side with this checkout's (e.g. cost@base)",
+    )
+    p.add_argument(
+        "--first-repeat",
+        type=int,
+        default=0,
+        help="number the repeats (and seed their arrivals) from here: a run that continues another's",
+    )
+    p.add_argument(
+        "--scale",
+        type=int,
+        default=1,
+        help="multiply each workload's groups, sessions and prompts (default 1: the tables' workloads)",
+    )
+    p.add_argument(
         "--engine-nice",
         default="0",
         help="run the vLLM engine cores (not their API servers) at this nice value, for every router; "
         "several (0,19): each window is measured at each in turn, side by side",
     )
     a = p.parse_args(argv)
+    sources = dict(x.partition("=")[::2] for x in a.source)
+    for name in a.routers.split(","):
+        _, tree = split_source(name, sources)  # a bad name fails here, before vLLM starts
+        assert not tree or (pathlib.Path(tree) / "picker" / "__main__.py").is_file(), (
+            f"{tree!r} holds no picker/ (make it with `git archive REV | tar -x -C DIR`)"
+        )
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvpick-real-"))
     model_dir = build_tiny(pathlib.Path(a.model_dir) if a.model_dir else run_dir)
     children = Procs(run_dir)
@@ -505,9 +570,16 @@ def main(argv: list[str] | None = None) -> int:
         fleet.traces = sink.endpoint if sink else ""
         cleanup.callback(children.stop)
         fleet.start()
-        opts = Options(sink, tuple(int(n) for n in a.engine_nice.split(",")))
+        opts = Options(
+            sink,
+            tuple(int(n) for n in a.engine_nice.split(",")),
+            sources,
+            a.first_repeat,
+            a.scale,
+        )
         runs = run_all(fleet, a.routers.split(","), a.repeats, a.rate, run_dir, a.workloads.split(","), opts)
     text = table(runs) + split_table(runs)
+    text += "\n### Pooled over the repeats (`bench.pooled`)\n" + pooled.report(pooled.load([run_dir]))
     if a.engine_nice != "0":
         text += f"\n(vLLM engine cores at nice {a.engine_nice}.)\n"
     print(text)

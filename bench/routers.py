@@ -36,10 +36,13 @@ def _picker_envoy(
     config: str | None,
     picker_args: Sequence[str],
     envoy_args: Sequence[str] = (),
+    source: str = "",
 ) -> Stack:
     """Our picker behind Envoy (the shared launcher), Envoy in pool mode over the fleet and
-    ``envoy_args`` (more ``render.py`` flags)."""
-    st = Stack(procs, fleet.ports)
+    ``envoy_args`` (more ``render.py`` flags). ``source``: another source tree's picker and Envoy
+    config (``PYTHONSAFEPATH`` keeps this checkout, the working directory, off the path, so
+    ``PYTHONPATH`` decides which ``picker`` is imported; its own ``render.py``)."""
+    st = Stack(procs, fleet.ports, root=pathlib.Path(source)) if source else Stack(procs, fleet.ports)
     st.start_picker(
         "--policy",
         policy,
@@ -48,6 +51,7 @@ def _picker_envoy(
         *(["--config-file", config] if config else []),
         *picker_args,
         debug=False,
+        env={"PYTHONSAFEPATH": "1", "PYTHONPATH": source} if source else None,
     )
     st.start_envoy("--upstream", "pool", "--endpoints", ",".join(st.addresses), *envoy_args)
     return st
@@ -94,12 +98,14 @@ def router(
     started: Callable[[Procs], None] | None = None,
     envoy_args: Sequence[str] = (),
     stack_seen: Callable[[Stack], None] | None = None,
+    source: str = "",
 ) -> Iterator[list[str]]:
     """Start ``name`` in front of ``fleet``; yields the URLs to send to (one, or the replicas).
     Any name that is not ``direct`` or a peer is a picker policy (built in, or defined in
     ``picker_config``, the picker's ``--config-file``), or names a picker variant run with the
     policy ``policy`` and the further flags ``picker_args``; Envoy gets ``envoy_args`` (more
-    ``render.py`` flags) and the picker's :class:`Stack` goes to ``stack_seen``."""
+    ``render.py`` flags) and the picker's :class:`Stack` goes to ``stack_seen``; ``source``: the
+    source tree of the picker and its Envoy config (default this checkout)."""
     if name == "direct":
         yield fleet.urls
         return
@@ -110,7 +116,9 @@ def router(
         if name in PEERS:
             url, _ = start_peer(name, fleet.urls, children)
         else:
-            st = _picker_envoy(policy or name, fleet, children, picker_config, picker_args, envoy_args)
+            st = _picker_envoy(
+                policy or name, fleet, children, picker_config, picker_args, envoy_args, source
+            )
             url = st.url
             if stack_seen is not None:
                 stack_seen(st)

@@ -58,6 +58,9 @@ class Span:
     ttft: float = 0.0
     queue: float = 0.0
     prefill: float = 0.0
+    process: int = 0
+    """The pid of the vLLM process that sent the span (its resource's ``vllm.process_id``: the API
+    server's), which says which replica served the request; 0 when unknown."""
 
 
 @contextlib.contextmanager

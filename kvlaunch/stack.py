@@ -39,6 +39,9 @@ class Stack:
     metrics_port: int = 0
     debug_port: int = 0
     """The picker's debug API (``--enable-debug-api``, on loopback); 0 while it is off."""
+    root: pathlib.Path = ROOT
+    """The source tree whose ``deploy/envoy/render.py`` renders Envoy's config (another tree's,
+    to run its picker with its own Envoy config beside this one's)."""
 
     @property
     def url(self) -> str:
@@ -89,10 +92,12 @@ class Stack:
         """``deploy/envoy/render.py``'s config for this stack's ports, plus ``render_args``."""
         self.envoy_port = self.envoy_port or free_port()
         self.admin_port = self.admin_port or free_port()
-        cmd = [PY, str(ROOT / "deploy/envoy/render.py"), "--listen-port", str(self.envoy_port)]
+        cmd = [PY, str(self.root / "deploy/envoy/render.py"), "--listen-port", str(self.envoy_port)]
         cmd += ["--admin-port", str(self.admin_port), "--picker", f"127.0.0.1:{self.grpc_port}", "-o", "-"]
         # its own session: a Ctrl-C is make run's to handle, not a traceback of the renderer's
-        done = subprocess.run([*cmd, *render_args], capture_output=True, cwd=ROOT, start_new_session=True)
+        done = subprocess.run(
+            [*cmd, *render_args], capture_output=True, cwd=self.root, start_new_session=True
+        )
         if done.returncode != 0:
             raise RuntimeError(f"rendering the Envoy config failed:\n{done.stderr.decode(errors='replace')}")
         return done.stdout.decode()
