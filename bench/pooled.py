@@ -150,8 +150,8 @@ def _vs(a: Repeats, b: Repeats, name: str, limit: float, draws: int) -> str:
 def report(data: dict[tuple[str, str], Repeats], draws: int = 2000) -> str:
     """Per workload: every router's pooled p90 with its interval; for each of ours (every router
     but the peers), the paired ratio against the best peer (the one with the lowest pooled p90),
-    against ``least-loaded`` on the control (bound 1.1), and, for ``X``, against ``X@TAG`` (the
-    same router from another source tree, ``bench.real --source``)."""
+    against ``least-loaded`` on the control (bound 1.1), and, for ``X`` or ``X@TAG``, against
+    ``X@base`` (the same router from the source tree ``bench.real --source base=DIR``)."""
     lines = []
     for wl in dict.fromkeys(w for w, _ in data):
         runs = {r: reps for (w, r), reps in data.items() if w == wl}
@@ -170,9 +170,9 @@ def report(data: dict[tuple[str, str], Repeats], draws: int = 2000) -> str:
                     cmp.append(_vs(reps, runs[peer], f"best peer {peer}", 1.0, draws))
                 if wl.startswith("no-sharing") and "least-loaded" in runs and name != "least-loaded":
                     cmp.append(_vs(reps, runs["least-loaded"], "least-loaded", 1.1, draws))
-                for other in runs:
-                    if other.startswith(name + "@"):
-                        cmp.append(_vs(reps, runs[other], other, 1.0, draws))
+                base = name.partition("@")[0] + "@base"
+                if base in runs and base != name:
+                    cmp.append(_vs(reps, runs[base], base, 1.0, draws))
             lines.append(
                 f"| {name} | {len(reps)} | {len(xs)} | {p90(xs):.3f} [{lo:.3f}–{hi:.3f}] "
                 f"| {percentile(xs, 50):.3f} | {'<br>'.join(cmp)} |"

@@ -25,7 +25,10 @@ run-queue wait (``bench.split.schedstat``: time runnable but not running, per re
 client's, Envoy's access log (kvpick; ``render.py --access-log --preserve-request-id``) and vLLM's
 ``llm_request`` span (``--otlp-traces-endpoint`` to a receiver in this process), and prints the
 median of each piece of the client's TTFT per router and workload (and writes them per request to
-``rREPEAT/ROUTER/WORKLOAD.split.jsonl``). ``--engine-nice N`` runs both vLLM engines (the engine
+``rREPEAT/ROUTER/WORKLOAD.split.jsonl``, with the replica that served it). ``python -m
+bench.pooled RUN_DIR...`` pools the repeats' requests (p90 with bootstrap intervals, paired
+ratios; printed at the end of every run) and ``python -m bench.balance RUN_DIR`` classes each
+pick against what was in flight on each replica. ``--engine-nice N`` runs both vLLM engines (the engine
 core processes and their OpenMP threads, not the API servers) at nice ``N``, for every router
 alike: what a router's processes get when the engines do not take their cores first.
 

@@ -65,6 +65,7 @@ def test_runs_load_and_report(tmp_path: pathlib.Path) -> None:
     for rep in range(2):
         _write(one, rep, "cost", "no-sharing@nice19", [0.01 * (i + 1) for i in range(20)], ok=False)
         _write(one, rep, "cost@base", "no-sharing@nice19", [0.02 * (i + 1) for i in range(20)])
+        _write(one, rep, "cost@new", "no-sharing@nice19", [0.04 * (i + 1) for i in range(20)])
         _write(one, rep, "least-loaded", "no-sharing@nice19", [0.01 * (i + 1) for i in range(20)])
         _write(one, rep, "sglang-router", "no-sharing@nice19", [0.01 * (i + 1) for i in range(20)])
     _write(two, 0, "cost", "no-sharing@nice19", [0.5] * 20)  # another run's repeat 0: kept apart
@@ -77,5 +78,7 @@ def test_runs_load_and_report(tmp_path: pathlib.Path) -> None:
     row = next(line for line in text.splitlines() if line.startswith("| cost |"))
     assert "best peer sglang-router: 1.00×" in row and "least-loaded: 1.00×" in row and "(≤ 1.1×)" in row
     assert "cost@base: 0.50×" in row and "**met**" in row
+    new = next(line for line in text.splitlines() if line.startswith("| cost@new |"))
+    assert "cost@base: 2.00×" in new and "**missed**" in new
     peer = next(line for line in text.splitlines() if line.startswith("| sglang-router |"))
     assert peer.endswith("|  |"), "peers are not judged"
