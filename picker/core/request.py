@@ -159,16 +159,16 @@ def parse_and_rewrite(body: bytes, path: str, headers: Mapping[str, str], opts: 
 
 
 def _check_depth(doc: Any) -> None:
-    """Iterative depth check (orjson accepts up to 1024 levels; we route nothing that deep)."""
+    """Iterative depth check (orjson accepts up to 1024 levels; we route nothing that deep).
+    Only containers are pushed (one plain loop per container, no generator: it runs per request)."""
     stack: list[tuple[Any, int]] = [(doc, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_NESTING:
             raise BadRequest(f"request body is nested deeper than {MAX_NESTING} levels")
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, dict | list))
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node if isinstance(v, dict | list))
+        for v in node.values() if type(node) is dict else node:
+            if type(v) is dict or type(v) is list:
+                stack.append((v, depth + 1))
 
 
 class Text:
