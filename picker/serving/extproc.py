@@ -126,7 +126,7 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 def _headers_map(msg: pb.HttpHeaders) -> dict[str, str]:
     return {
-        h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+        h.key.lower(): (raw.decode("utf-8", "replace") if (raw := h.raw_value) else h.value)
         for h in msg.headers.headers
     }
 

@@ -15,7 +15,7 @@ from picker.core.request import InferenceRequest
 from picker.core.scheduling.cost import TIE_MARGIN, CostScorer
 from picker.core.scheduling.filters import LoadGuardFilter, NotSaturatedFilter, ReadyFilter
 from picker.core.scheduling.pickers import MaxScorePicker, RandomPicker, RoundRobinPicker
-from picker.core.scheduling.profile import BUILTIN_POLICIES
+from picker.core.scheduling.profile import BUILTIN_POLICIES, Profile
 from picker.core.scheduling.registry import make_filter, make_picker, make_scorer
 from picker.core.scheduling.scorers import (
     InFlightTokensScorer,
@@ -323,6 +323,8 @@ def test_max_score_tie_break_is_random() -> None:
     assert set(firsts) == {1, 2}, f"both tied endpoints win sometimes, got {firsts}"
     assert min(firsts.values()) > 100, f"ties split roughly evenly, got {firsts}"
     assert all(ports(picker.pick(scores, eps, 3))[2] == 3 for _ in range(50))
+    alone = Counter(picker.pick(scores, eps, 1)[0].endpoint.port for _ in range(400))
+    assert set(alone) == {1, 2} and min(alone.values()) > 100, f"one pick breaks ties too: {alone}"
 
 
 def test_round_robin_cycles_in_key_order() -> None:
@@ -379,6 +381,17 @@ def test_profile_clamps_weights_and_records_timings() -> None:
     result = profile.run(cycle({A: 10}, n_blocks=10), eps, 1)
     assert result.scores == {A: 3.0, B: 2.0}
     assert ports(result.chosen) == [1] and timings == ["prefix", "queue"]
+
+
+def test_profile_clamps_scores_out_of_range_and_nan() -> None:
+    class Odd:
+        def score(self, cycle: Cycle, endpoints: Any) -> dict[str, float]:
+            return {A: -0.5, B: 7.0, "10.0.0.1:3": float("nan")}
+
+    profile = Profile("p", [], [("odd", Odd(), 2.0)], ("max-score", MaxScorePicker(seed=1)))
+    result = profile.run(cycle(), [ep(1), ep(2), ep(3)], 1)
+    assert result.scores == {A: 0.0, B: 2.0, "10.0.0.1:3": 0.0}
+    assert ports(result.chosen) == [2]
 
 
 def test_profile_raises_when_filters_leave_nothing() -> None:

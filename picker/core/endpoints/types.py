@@ -55,7 +55,9 @@ class Health(enum.Enum):
     STALLED = "stalled"  # busy, but its engine counters stopped moving (a hung engine): not routable
 
 
-NOT_ROUTABLE = frozenset({Health.UNREACHABLE, Health.UNHEALTHY, Health.STALLED})
+NOT_ROUTABLE = (Health.UNREACHABLE, Health.UNHEALTHY, Health.STALLED)
+"""A tuple: membership by identity, without ``Enum.__hash__`` (a Python call) per check; it is
+checked per endpoint, twice per pick."""
 
 
 @dataclass(slots=True)

@@ -23,6 +23,8 @@ class MaxScorePicker:
         self, scores: Mapping[str, float], endpoints: Sequence[EndpointState], k: int
     ) -> list[EndpointState]:
         rnd = self._rng.random
+        if k == 1:  # the usual case (no fallbacks): one pass, no sort
+            return [max(endpoints, key=lambda e: (scores.get(e.key, 0.0), rnd()))]
         ranked = sorted(endpoints, key=lambda e: (scores.get(e.key, 0.0), rnd()), reverse=True)
         return ranked[:k]
 

@@ -40,25 +40,25 @@ class Profile:
     def run(self, cycle: Cycle, endpoints: list[EndpointState], k: int, commit: bool = True) -> Result:
         """One cycle. With ``commit=False`` (explain) no plugin learns of the pick."""
         assert k >= 1, f"must pick at least one endpoint, asked for {k}"
-        timer = self.timer
+        timer, clock = self.timer, time.perf_counter
         for name, f in self.filters:
-            t0 = time.perf_counter()
+            t0 = clock()
             endpoints = f.filter(cycle, endpoints)
             if timer:
-                timer(name, time.perf_counter() - t0)
+                timer(name, clock() - t0)
             if not endpoints:
                 raise NoEndpoints(f"no ready endpoint (filter {name!r} left none)")
-        totals = dict.fromkeys((e.key for e in endpoints), 0.0)
+        totals = dict.fromkeys([e.key for e in endpoints], 0.0)
         per_scorer: dict[str, dict[str, float]] = {}
         for name, s, weight in self.scorers:
-            t0 = time.perf_counter()
+            t0 = clock()
             scores = s.score(cycle, endpoints)
             if timer:
-                timer(name, time.perf_counter() - t0)
+                timer(name, clock() - t0)
             per_scorer[name] = scores
             for key, v in scores.items():
-                if key in totals:
-                    totals[key] += weight * min(1.0, max(0.0, v))
+                if key in totals:  # clamped to [0, 1] (NaN counts as 0)
+                    totals[key] += weight * (v if 0.0 <= v <= 1.0 else 1.0 if v > 1.0 else 0.0)
         pname, picker = self.picker
         chosen = picker.pick(totals, endpoints, k)
         assert chosen, f"picker {pname!r} returned nothing from {len(endpoints)} candidates"
