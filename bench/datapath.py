@@ -75,6 +75,12 @@ class Case:
     body_bytes: int
     connections: int
     stream: bool = False
+    pace_ms: int = 0
+    """Each connection waits this long before each request (wrk's ``delay()``): plain requests
+    at about the rate a streamed case reaches, to tell a stream's own cost from its lower rate."""
+
+    def lua(self) -> str:
+        return LUA + (f"function delay()\n  return {self.pace_ms}\nend\n" if self.pace_ms else "")
 
 
 CASES = {
@@ -86,12 +92,15 @@ CASES = {
         Case("8k-c8", 8 * 1024, 8),
         Case("220k-c8", 220 * 1024, 8),
         Case("8k-c8-sse256", 8 * 1024, 8, stream=True),
+        Case("8k-c64-paced180", 8 * 1024, 64, pace_ms=180),
     )
 }
 
 
 DEFAULT_CASES = ("8k-c64", "220k-c150", "8k-c64-sse256", "8k-c8")
-"""The issue's cases; the c8 variants of the others are for profiling at light load."""
+"""The issue's cases; the c8 variants of the others are for profiling at light load, and
+``8k-c64-paced180`` sends plain requests at about ``8k-c64-sse256``'s rate (each of its streams
+lasts about 180 ms here)."""
 
 
 @dataclass
@@ -367,13 +376,13 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []
     with tempfile.TemporaryDirectory() as tmp, stack(routers, variants, run_dir) as targets:
-        lua = pathlib.Path(tmp) / "post.lua"
-        lua.write_text(LUA)
         time.sleep(3.0)  # let start-up work (worker spawns, first scrapes) finish
         idle = idle_rates(targets, a.idle)
         for case in cases:
             body_file = pathlib.Path(tmp) / f"{case.name}.json"
             body_file.write_bytes(make_body(case.body_bytes, case.stream))
+            lua = pathlib.Path(tmp) / f"{case.name}.lua"
+            lua.write_text(case.lua())
             for name, t in targets.items():
                 check_answer(name, t, case)
                 wrk(t.url, case, body_file, lua, a.warmup)
