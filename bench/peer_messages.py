@@ -16,7 +16,13 @@ thread) per message, and beside it the same decoding and indexing called back to
 (``in a loop``): the difference is what being woken for each message costs (the event loop's round,
 ZMQ's I/O thread, caches gone cold in between). ``--burst K`` sends K messages back to back every
 ``--gap-ms`` (as a busy replica's steps and several peers' picks pile up between two wake-ups).
-Medians over ``--repeats`` runs with [min-max].
+
+``--intervals``: how the receiver reads its socket, side by side in one run: ``0`` woken for every
+message (a :class:`~picker.core.drain.Drain` on the loop, the code before the inbox); ``T`` (seconds)
+through the picker's :class:`~picker.core.drain.Inbox`, which reads at most every T (no pick happens
+here, so this is what a picker that does not route pays; one that routes also reads before each
+pick, for free). Medians over ``--repeats`` runs with [min-max], the intervals interleaved within
+each repeat.
 
 ``--split``: where a ``BlockStored`` batch's in-loop cost goes, per block, stage by stage (each the
 fastest of ``--repeats`` passes over the same messages, CPU time): msgpack decoding, the event
@@ -42,6 +48,7 @@ import zmq.asyncio
 
 from kvlaunch import free_port
 from picker.core.config import PrefixConfig, RouterConfig
+from picker.core.drain import Inbox
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
 from picker.core.peers import Peers
@@ -103,14 +110,19 @@ def _router() -> Router:
     return r
 
 
-async def _receive(kind: str, url: str, n: int) -> float:
+async def _receive(kind: str, url: str, n: int, interval_s: float) -> float:
     """CPU ms per message received after the first few (the slow joiner's are not counted)."""
+    inbox = Inbox(interval_s) if interval_s > 0 else None
+    if inbox is not None:
+        inbox.start()
     if kind == "kv-event":
-        sub = Subscriber(EPS[0].key, PreciseIndex(), url, ctx=zmq.asyncio.Context())
+        sub = Subscriber(EPS[0].key, PreciseIndex(), url, ctx=zmq.asyncio.Context(), inbox=inbox)
         count: Callable[[], int] = lambda: sub.sync.expected or 0  # noqa: E731
         task = asyncio.create_task(sub.run())
     else:
-        peers = Peers(_router(), f"tcp://127.0.0.1:{free_port()}", [url], "me", load_interval_s=3600)
+        peers = Peers(
+            _router(), f"tcp://127.0.0.1:{free_port()}", [url], "me", load_interval_s=3600, inbox=inbox
+        )
         count = lambda: peers.received  # noqa: E731
         task = asyncio.create_task(peers.run())
     while count() < 5:
@@ -120,6 +132,9 @@ async def _receive(kind: str, url: str, n: int) -> float:
         await asyncio.sleep(0.05)
     ms = (_cpu() - c0) / (count() - n0) * 1000
     task.cancel()
+    await asyncio.sleep(0)
+    if inbox is not None:
+        inbox.stop()
     return ms
 
 
@@ -140,15 +155,15 @@ def _in_a_loop(kind: str, n: int, blocks: int) -> float:
     return (time.process_time() - t0) / n * 1000
 
 
-def measure(kind: str, n: int, blocks: int, gap_s: float, burst: int = 1) -> tuple[float, float]:
+def measure(kind: str, n: int, blocks: int, gap_s: float, burst: int = 1, interval_s: float = 0.0) -> float:
+    """CPU ms per message received (``interval_s``: 0 woken per message, else the inbox's)."""
     url = f"tcp://127.0.0.1:{free_port()}"
     sender = multiprocessing.Process(target=_send, args=(url, kind, n, blocks, gap_s, burst))
     sender.start()
     try:
-        woken = asyncio.run(_receive(kind, url, n))
+        return asyncio.run(_receive(kind, url, n, interval_s))
     finally:
         sender.join(timeout=60)
-    return woken, _in_a_loop(kind, n, blocks)
 
 
 def _fastest(fn: Callable[[], object], repeats: int) -> float:
@@ -228,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap-ms", type=float, default=4.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--burst", type=int, default=1, help="messages sent back to back every --gap-ms")
+    p.add_argument(
+        "--intervals",
+        default="0,0.025",
+        help="comma-separated: 0 = woken per message, T = read through the inbox at most every T s",
+    )
     p.add_argument("--split", action="store_true", help="the in-loop cost per block, stage by stage")
     a = p.parse_args(argv)
     if a.split:
@@ -236,17 +256,23 @@ def main(argv: list[str] | None = None) -> int:
         for stage, us in split(a.messages, a.blocks, max(a.repeats, 5)):
             print(f"| {stage} | {us:.3f} |")
         return 0
-    print(f"| message ({a.blocks} blocks, {a.burst} at a time) | CPU ms per message, received | in a loop |")
-    print("|---|---|---|")
+    intervals = [float(x) for x in a.intervals.split(",")]
+    heads = ["woken per message" if t == 0 else f"inbox {t * 1000:g} ms" for t in intervals]
+    print(f"| message ({a.blocks} blocks, {a.burst} at a time) | " + " | ".join(heads) + " | in a loop |")
+    print("|---" * (len(intervals) + 2) + "|")
     for kind in KINDS:
-        runs = [measure(kind, a.messages, a.blocks, a.gap_ms / 1000, a.burst) for _ in range(a.repeats)]
-        woken, loop = [r[0] for r in runs], [r[1] for r in runs]
-        print(
-            f"| {kind} | {statistics.median(woken):.3f} [{min(woken):.3f}-{max(woken):.3f}] | "
-            f"{statistics.median(loop):.3f} [{min(loop):.3f}-{max(loop):.3f}] |",
-            flush=True,
-        )
+        runs: dict[float, list[float]] = {t: [] for t in intervals}
+        for _ in range(a.repeats):
+            for t in intervals:
+                runs[t].append(measure(kind, a.messages, a.blocks, a.gap_ms / 1000, a.burst, t))
+        loop = [_in_a_loop(kind, a.messages, a.blocks) for _ in range(a.repeats)]
+        cells = [_med(runs[t]) for t in intervals] + [_med(loop)]
+        print(f"| {kind} | " + " | ".join(cells) + " |", flush=True)
     return 0
+
+
+def _med(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
 
 
 if __name__ == "__main__":

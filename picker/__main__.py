@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from picker.core import config as config_mod
+from picker.core.drain import INTERVAL_S
 from picker.core.endpoints.static import FileProvider, StaticProvider, parse_list
 from picker.core.endpoints.types import EndpointProvider
 from picker.serving import gie_flags, workers
@@ -230,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
         "re-resolved every 5 s so restarted and added replicas are found; needs --peer-bind",
     )
     r.add_argument(
+        "--message-interval",
+        type=float,
+        default=INTERVAL_S,
+        help="seconds: KV events and peer messages are read before each pick and otherwise at most "
+        f"this often, so a burst costs one wake-up (default {INTERVAL_S})",
+    )
+    r.add_argument(
         "--tokenizer",
         default=None,
         help="directory with the model's tokenizer.json and tokenizer_config.json (precise matching of text prompts)",
@@ -394,12 +402,15 @@ def _server_options(args: argparse.Namespace) -> ServerOptions:
         response_headers=args.response_headers,
         drain_timeout_s=args.drain_timeout,
         pool_name=args.pool_name or "kvpick",
+        message_interval_s=args.message_interval,
         **_peer_options(args),
     )
 
 
 def _peer_options(args: argparse.Namespace) -> dict[str, Any]:
     """The peer channel: the flags', plus, with ``--workers``, one ipc address per worker."""
+    if not 0 < args.message_interval <= 60:
+        raise ValueError(f"--message-interval must be in (0, 60] seconds, got {args.message_interval}")
     binds = [b for b in args.peer_bind.split(",") if b]
     peers = [p for p in args.peers.split(",") if p]
     if args.workers > 1:

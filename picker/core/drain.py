@@ -1,27 +1,48 @@
-"""Reading a ZMQ socket from the event loop: one plain callback per wake-up that takes every
-message already queued, not one awaited future and task step per message.
+"""Reading the picker's ZMQ sockets (KV events, peer messages) from the event loop: lazily, in
+batches, and always before a pick.
 
-The socket's ``ZMQ_FD`` is registered with ``loop.add_reader``. ZMQ signals that descriptor on
-an edge (some messages arrived), not while messages are queued, so each wake-up reads with
-``NOBLOCK`` until ``zmq.Again``: at most ``max_per_wake`` messages, then the rest in a later
-round of the loop (``call_soon``), so a flood cannot starve the loop. Any other operation on the
-socket (connect, disconnect) may swallow an edge: call :meth:`Drain.drain` after it.
+:class:`Drain` reads one socket: each call takes every message already queued with ``NOBLOCK``
+until ``zmq.Again``, at most ``max_per_wake``; past that the rest is taken in later rounds of the
+loop (``call_soon``), so a flood cannot starve the loop. ``take`` handles one message; returning
+False pauses the reading (the socket queues meanwhile, up to its high-water mark) until
+:meth:`Drain.resume`, for a message whose handling must await. Any other operation on the socket
+(connect, disconnect) may swallow an edge of its ``ZMQ_FD``: call :meth:`Drain.drain` after it.
 
-``take`` handles one message; returning False pauses the reading (the socket queues meanwhile,
-up to its high-water mark) until :meth:`Drain.resume`, for a message whose handling must await.
+Who calls :meth:`Drain.drain`:
 
-State: ``paused`` and the loop registration, written only by this object's methods, which run
-on the loop's thread.
+- without an :class:`Inbox` (tests, tools): the loop, whenever the socket's ``ZMQ_FD`` signals
+  (``loop.add_reader``), that is about once per message at moderate rates;
+- with an :class:`Inbox` (the picker): the inbox, which is not woken per message. Every socket's
+  ``ZMQ_FD`` sits in one selector of its own; the loop watches that selector's descriptor only
+  while nothing is pending. When it signals, the inbox stops watching and reads every socket
+  ``interval_s`` after its previous read (:meth:`Inbox.catch_up`), so messages arriving at any
+  rate cost at most one wake-up per ``interval_s`` for all sockets together, and an idle picker
+  none. The router calls :meth:`Inbox.catch_up` before every pick, and that read resets the timer.
+
+Invariant (the index is exact at pick time): :meth:`Inbox.catch_up` takes from every socket every
+message ZMQ had received when it was called, so a pick scores on every KV event and peer message
+that reached the picker before it began. The only exceptions: a socket that had more than
+``max_per_wake`` queued (a flood: the rest follows in the next loop rounds; counted in
+``Inbox.short``) and a paused one (a KV-event gap being replayed). Why reading the selector is
+enough: ZMQ signals a socket's ``ZMQ_FD`` when a message reaches a pipe its reader had found
+empty, and every read here ends on ``zmq.Again`` (an empty pipe) unless it stops at the cap, in
+which case the socket is read again unconditionally (``Drain.behind``).
+
+State: a drain's ``paused``, ``behind`` and registration, written only by its own methods; the
+inbox's selector, timer and counters, written only by its methods. All run on the loop's thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import selectors
 from collections.abc import Callable
 
 import zmq
 
 MAX_PER_WAKE = 256
+INTERVAL_S = 0.025
+"""Default :attr:`Inbox.interval_s` (``--message-interval``): see bench/results/peer_messages.md."""
 
 
 class Drain:
@@ -30,27 +51,36 @@ class Drain:
         sock: zmq.Socket[bytes],
         take: Callable[[list[bytes]], bool],
         max_per_wake: int = MAX_PER_WAKE,
+        inbox: Inbox | None = None,
     ) -> None:
         assert max_per_wake > 0, f"max_per_wake must be positive, got {max_per_wake}"
-        self.sock, self.take, self.max_per_wake = sock, take, max_per_wake
+        self.sock, self.take, self.max_per_wake, self.inbox = sock, take, max_per_wake, inbox
         self.paused = False
+        self.behind = False
+        """The last read stopped at ``max_per_wake`` with messages left."""
         self.wakes = 0
-        """Callbacks that found at least one message (a counter for the benchmark)."""
+        """Reads that found at least one message (a counter for the benchmark)."""
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._fd = -1
+        self.fd = -1
 
     def start(self) -> None:
-        """Register with the running loop and take what is queued already."""
+        """Register with the inbox (or the running loop) and take what is queued already."""
         self._loop = asyncio.get_running_loop()
         fd = self.sock.getsockopt(zmq.FD)
         assert isinstance(fd, int), f"ZMQ_FD is an int, got {fd!r}"
-        self._fd = fd
-        self._loop.add_reader(self._fd, self.drain)
+        self.fd = fd
+        if self.inbox is not None:
+            self.inbox.add(self)
+        else:
+            self._loop.add_reader(self.fd, self.drain)
         self.drain()
 
     def stop(self) -> None:
         if self._loop is not None:
-            self._loop.remove_reader(self._fd)
+            if self.inbox is not None:
+                self.inbox.remove(self)
+            else:
+                self._loop.remove_reader(self.fd)
             self._loop = None
 
     def resume(self) -> None:
@@ -62,6 +92,7 @@ class Drain:
         if self.paused or self._loop is None:
             return
         taken = 0
+        self.behind = False
         while taken < self.max_per_wake:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
@@ -72,5 +103,80 @@ class Drain:
                 self.paused = True
                 break
         else:
+            self.behind = True
             self._loop.call_soon(self.drain)
         self.wakes += taken > 0
+
+
+class Inbox:
+    """Reads its drains' sockets before each pick and otherwise at most every ``interval_s``
+    (module doc). Use from the loop's thread only; :meth:`start` before the first pick."""
+
+    def __init__(self, interval_s: float = INTERVAL_S) -> None:
+        assert interval_s > 0, f"the inbox interval must be positive, got {interval_s}"
+        self.interval_s = interval_s
+        self._sel = selectors.DefaultSelector()
+        self._drains: set[Drain] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watching = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._last = float("-inf")
+        self.catch_ups = 0
+        """Reads of every socket (before picks and on the timer)."""
+        self.woken = 0
+        """Times the loop was woken because a message arrived while nothing was pending."""
+        self.short = 0
+        """Reads that left a socket behind (more than ``max_per_wake`` queued: a flood)."""
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._watch()
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            if self._watching:
+                self._loop.remove_reader(self._sel.fileno())
+            if self._timer is not None:
+                self._timer.cancel()
+            self._watching, self._timer, self._loop = False, None, None
+        self._sel.close()
+
+    def add(self, drain: Drain) -> None:
+        self._sel.register(drain.fd, selectors.EVENT_READ, drain)
+        self._drains.add(drain)
+
+    def remove(self, drain: Drain) -> None:
+        self._drains.discard(drain)
+        registered = self._sel.get_map()
+        if registered is not None and drain.fd in registered:  # None: the inbox was stopped
+            self._sel.unregister(drain.fd)
+
+    def catch_up(self) -> None:
+        """Take every message the sockets hold now (the module doc's invariant)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        ready: set[Drain] = {key.data for key, _ in self._sel.select(0)}
+        ready.update(d for d in self._drains if d.behind)  # ZMQ signals no new edge for those
+        for drain in ready:
+            drain.drain()
+        self.short += any(d.behind for d in ready)
+        self.catch_ups += 1
+        if self._loop is not None:
+            self._last = self._loop.time()
+            self._watch()
+
+    def _watch(self) -> None:
+        assert self._loop is not None, "the inbox is not started"
+        if not self._watching and self._timer is None:
+            self._loop.add_reader(self._sel.fileno(), self._woken)
+            self._watching = True
+
+    def _woken(self) -> None:
+        """A socket has something and nothing was pending: read them all ``interval_s`` after the
+        last read (not watched meanwhile, so the loop is not woken again before)."""
+        assert self._loop is not None, "woken before start"
+        self._loop.remove_reader(self._sel.fileno())
+        self._watching = False
+        self.woken += 1
+        self._timer = self._loop.call_at(max(self._loop.time(), self._last + self.interval_s), self.catch_up)

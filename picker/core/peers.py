@@ -46,8 +46,9 @@ endpoint itself, and they split the scrapes among themselves. A malformed batch 
 A peer's outcome can take an endpoint out of routing: peers are trusted as for picks (only the
 configured addresses are subscribed to).
 
-Receiving: every message queued at a wake-up is taken in one event-loop callback
-(:class:`~picker.core.drain.Drain`), not a task step each.
+Receiving: every message queued when the socket is read is taken in one event-loop callback
+(:class:`~picker.core.drain.Drain`), not a task step each; with an inbox (the picker's), the socket
+is read before each pick and otherwise at most every ``interval_s``, not woken per message.
 
 Discovery: the static ``peers`` addresses, plus, with ``peer_dns`` (``host:port``, e.g. a headless
 Service naming every picker pod), whatever that name resolves to, re-resolved every
@@ -78,7 +79,7 @@ import msgpack
 import xxhash
 import zmq
 
-from picker.core.drain import Drain
+from picker.core.drain import Drain, Inbox
 from picker.core.router import Router
 from picker.core.scrape import Outcome, Scraper, metrics_from_wire, metrics_to_wire
 
@@ -124,8 +125,9 @@ class Peers:
         resolver: Resolver = resolve,
         share_ttl_s: float = 1.0,
         share_flush_s: float = 0.02,
+        inbox: Inbox | None = None,
     ) -> None:
-        self.router, self.peers, self.clock = router, list(peers), clock
+        self.router, self.peers, self.clock, self.inbox = router, list(peers), clock, inbox
         self.peer_dns, self.dns_interval_s, self.resolver = peer_dns, dns_interval_s, resolver
         if peer_dns:
             host, _, port = peer_dns.rpartition(":")
@@ -383,7 +385,7 @@ class Peers:
         sub.setsockopt(zmq.SUBSCRIBE, SCRAPE)
         for p in self.peers:
             sub.connect(p)
-        drain = Drain(sub, self.take)
+        drain = Drain(sub, self.take, inbox=self.inbox)
         drain.start()
         helpers = [asyncio.create_task(self._report_loads())]
         if self.peer_dns:

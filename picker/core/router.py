@@ -108,6 +108,10 @@ class Router:
         """vLLM's ``/tokenize``, in precise and auto modes when no ``tokenizer`` is configured."""
         self.on_pick: Callable[[str, list[int] | None, list[int]], None] | None = None
         """Told of every pick (endpoint, KV-block keys, text-block hashes): ``picker.core.peers``."""
+        self.catch_up: Callable[[], None] | None = None
+        """Called first in every :meth:`route` (:meth:`picker.core.drain.Inbox.catch_up`): the KV
+        events and peer messages (picks, loads, scrape outcomes) that reached the picker before a
+        pick are applied before its candidates are chosen and scored."""
         if pcfg.mode != "approximate":
             self.precise = PreciseIndex(pcfg.max_blocks_per_endpoint, pcfg.speculative_ttl_s)
             pool.on_remove(lambda s: self._forget_precise(s.key))
@@ -243,6 +247,8 @@ class Router:
     ) -> Decision:
         """Pick for ``req``. ``subset`` (the gateway's subset hint, endpoint keys) limits the
         candidates; an empty subset, or one with no routable endpoint, raises :class:`NoEndpoints`."""
+        if self.catch_up is not None:
+            self.catch_up()
         candidates = self.pool.routable()
         if subset is not None:
             candidates = [e for e in candidates if e.key in subset]

@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from picker._proto.kvpick.v1 import explain_pb2_grpc
 from picker.core.config import RouterConfig
+from picker.core.drain import INTERVAL_S, Inbox
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import EndpointProvider, EndpointState, Health
 from picker.core.objectives import ObjectiveSource
@@ -87,6 +88,10 @@ class ServerOptions:
     """The other picker replicas' pick publishers (``tcp://host:5560``), subscribed to."""
     peer_dns: str = ""
     """``host:port`` naming every picker replica (a headless Service), re-resolved for peers."""
+    message_interval_s: float = INTERVAL_S
+    """KV events and peer messages are read before each pick and otherwise at most this often
+    (:class:`~picker.core.drain.Inbox`): an upper bound on how late a non-routing picker sees a
+    peer's scrape outcome or heartbeat."""
 
 
 class PickerServer:
@@ -186,9 +191,12 @@ class PickerServer:
         hs.add_insecure_port(f"{self.opts.host}:{self.opts.grpc_health_port}")
         await self._set_health(False)
         runners: list[web.AppRunner] = []
-        subs = self._subs = self._subscribers()
+        inbox = Inbox(self.opts.message_interval_s)
+        inbox.start()
+        self.router.catch_up = inbox.catch_up
+        subs = self._subs = self._subscribers(inbox)
         peers = (
-            Peers(self.router, self.opts.peer_bind, self.opts.peers, peer_dns=self.opts.peer_dns)
+            Peers(self.router, self.opts.peer_bind, self.opts.peers, peer_dns=self.opts.peer_dns, inbox=inbox)
             if self.opts.peer_bind
             else None
         )
@@ -233,6 +241,8 @@ class PickerServer:
                     await self.router.remote_tokenizer.close()
                 if peers is not None:
                     peers.close()
+                self.router.catch_up = None
+                inbox.stop()
 
     async def _drain(self, ext: grpc.aio.Server) -> None:
         """NOT_SERVING, no new streams, in-flight streams finish (up to the drain timeout, or
@@ -265,7 +275,7 @@ class PickerServer:
             self.cfg.policy,
         )
 
-    def _subscribers(self) -> Subscribers | None:
+    def _subscribers(self, inbox: Inbox) -> Subscribers | None:
         """KV-event subscribers feeding the precise index (precise and auto modes)."""
         p = self.cfg.prefix
         if self.router.precise is None:
@@ -278,6 +288,7 @@ class PickerServer:
             p.kv_events_topic,
             p.refill_s,
             p.data_parallel_ports,
+            inbox,
         )
 
     def stop(self) -> None:

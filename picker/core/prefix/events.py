@@ -34,7 +34,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from picker.core.drain import Drain
+from picker.core.drain import Drain, Inbox
 from picker.core.prefix.precise import PreciseIndex
 
 log = logging.getLogger(__name__)
@@ -178,8 +178,11 @@ class Subscriber:
         refill_s: float = 30.0,
         ctx: zmq.asyncio.Context | None = None,
         clock: Callable[[], float] = time.monotonic,
+        inbox: Inbox | None = None,
     ) -> None:
         self.key, self.index, self.pub_url, self.replay_url = key, index, pub_url, replay_url
+        self.inbox = inbox
+        """Reads the socket before each pick and every ``interval_s`` (None: on every wake-up)."""
         self.topic, self.refill_s, self.clock = topic.encode(), refill_s, clock
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.sync = Sync()
@@ -308,15 +311,16 @@ class Subscriber:
         self._drain.resume()
 
     async def run(self) -> None:
-        """Consume the stream until cancelled: every batch queued at a wake-up in one callback
-        (:class:`~picker.core.drain.Drain`); the reading pauses while a gap is replayed."""
+        """Consume the stream until cancelled: every batch queued when the socket is read, in one
+        callback (:class:`~picker.core.drain.Drain`: with an inbox, before each pick and every
+        ``interval_s``); the reading pauses while a gap is replayed."""
         sock: zmq.Socket[bytes] = zmq.Socket(self.ctx, zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         sock.connect(self.pub_url)
-        self._drain = Drain(sock, self._take_frames)
+        self._drain = Drain(sock, self._take_frames, inbox=self.inbox)
         self._drain.start()
         try:
             await asyncio.get_running_loop().create_future()  # until cancelled

@@ -21,6 +21,7 @@ import logging
 
 import zmq.asyncio
 
+from picker.core.drain import Inbox
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import EndpointState
 from picker.core.prefix.events import State, Subscriber, Sync
@@ -39,11 +40,12 @@ class Subscribers:
         topic: str = "",
         refill_s: float = 30.0,
         rank_ports: tuple[int, ...] = (),
+        inbox: Inbox | None = None,
     ) -> None:
         assert 0 < port < 65536, f"kv events port must be a TCP port, got {port}"
         self.rank_of = {p: r for r, p in enumerate(rank_ports)}
         self.index, self.syncs, self.port, self.replay_port = index, syncs, port, replay_port
-        self.topic, self.refill_s = topic, refill_s
+        self.topic, self.refill_s, self.inbox = topic, refill_s, inbox
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._ctx: zmq.asyncio.Context | None = None
 
@@ -63,7 +65,14 @@ class Subscribers:
         rank = self.rank_of.get(state.endpoint.port, 0)
         replay = f"tcp://{host}:{self.replay_port + rank}" if self.replay_port else None
         sub = Subscriber(
-            key, self.index, f"tcp://{host}:{self.port + rank}", replay, self.topic, self.refill_s, self._ctx
+            key,
+            self.index,
+            f"tcp://{host}:{self.port + rank}",
+            replay,
+            self.topic,
+            self.refill_s,
+            self._ctx,
+            inbox=self.inbox,
         )
         self.syncs[key] = sub.sync
         task = asyncio.get_running_loop().create_task(sub.run(), name=f"kv-events {key}")
