@@ -9,6 +9,8 @@ the receiver on its own), and received by the picker's own code in an asyncio lo
   into :class:`~picker.core.prefix.events.Subscriber` and the precise index;
 - ``pick``: a peer's pick of as many blocks, with its load report, into
   :class:`~picker.core.peers.Peers`;
+- ``tail``: the same pick when its endpoint holds all but ``TAIL_KEYS`` of the blocks by its KV
+  events (only the rest is sent);
 - ``load``: a peer's load report over 4 endpoints.
 
 Reported: the receiving process's CPU (user + system, all its threads: the event loop and ZMQ's I/O
@@ -58,7 +60,10 @@ from picker.core.router import Router
 
 BS = 16
 EPS = [Endpoint(f"10.0.0.{i + 1}", 8000) for i in range(4)]
-KINDS = ("kv-event", "pick", "load")
+KINDS = ("kv-event", "pick", "tail", "load")
+TAIL_KEYS = 4
+"""A ``tail`` pick carries this many of its keys: the rest its endpoint holds by its events (a
+shared-prefix request: 64 blocks of prefix, 4 of question)."""
 
 
 def _messages(kind: str, n: int, blocks: int) -> list[list[bytes]]:
@@ -75,8 +80,13 @@ def _messages(kind: str, n: int, blocks: int) -> list[list[bytes]]:
             out.append([b"", i.to_bytes(8, "big"), msgpack.packb([time.time(), [event]])])
         elif kind == "pick":
             report = {EPS[0].key: [1 + i % 3, 1000]}
-            body = msgpack.packb(["peer", EPS[i % 4].key, keys, keys, report], use_bin_type=True)
+            body = msgpack.packb(["peer", EPS[i % 4].key, keys, [], report], use_bin_type=True)
             out.append([b"pick", body])
+        elif kind == "tail":
+            report = {EPS[0].key: [1 + i % 3, 1000]}
+            skip = blocks - TAIL_KEYS
+            body = msgpack.packb(["peer", EPS[i % 4].key, skip, keys[skip:], [], report], use_bin_type=True)
+            out.append([b"tail", body])
         else:
             report = {e.key: [i % 3, 1000 + i] for e in EPS}
             out.append([b"load", msgpack.packb(["peer", report])])
@@ -147,7 +157,7 @@ def _in_a_loop(kind: str, n: int, blocks: int) -> float:
             apply(index, EPS[0].key, decode_batch(m[2]))
     else:
         peers = Peers(_router(), f"tcp://127.0.0.1:{free_port()}", [], "me")
-        take = peers.apply if kind == "pick" else peers.apply_load
+        take = {"pick": peers.apply, "tail": peers.apply_tail, "load": peers.apply_load}[kind]
         t0 = time.process_time()
         for m in msgs:
             assert take(m[1]), f"the {kind} message was refused"

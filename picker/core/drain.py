@@ -13,11 +13,14 @@ Who calls :meth:`Drain.drain`:
 - without an :class:`Inbox` (tests, tools): the loop, whenever the socket's ``ZMQ_FD`` signals
   (``loop.add_reader``), that is about once per message at moderate rates;
 - with an :class:`Inbox` (the picker): the inbox, which is not woken per message. Every socket's
-  ``ZMQ_FD`` sits in one selector of its own; the loop watches that selector's descriptor only
-  while nothing is pending. When it signals, the inbox stops watching and reads every socket
-  ``interval_s`` after its previous read (:meth:`Inbox.catch_up`), so messages arriving at any
-  rate cost at most one wake-up per ``interval_s`` for all sockets together, and an idle picker
-  none. The router calls :meth:`Inbox.catch_up` before every pick, and that read resets the timer.
+  ``ZMQ_FD`` sits in one selector of its own, whose descriptor the loop watches while no read is
+  scheduled. A message that arrives ``interval_s`` or more after the previous read is read at
+  once (sparse traffic: one wake-up per message, as without an inbox); one that arrives sooner
+  is read ``interval_s`` after the previous read, unwatched meanwhile, and the reads go on on that
+  timer while each finds messages (dense traffic: one wake-up per interval for all sockets
+  together, however many messages). An idle picker is never woken. The router calls
+  :meth:`Inbox.catch_up` before every pick: that read is free (the loop is awake anyway) and
+  puts the inbox back to watching.
 
 Invariant (the index is exact at pick time): :meth:`Inbox.catch_up` takes from every socket every
 message ZMQ had received when it was called, so a pick scores on every KV event and peer message
@@ -87,10 +90,10 @@ class Drain:
         self.paused = False
         self.drain()
 
-    def drain(self) -> None:
-        """Take the queued messages (see the module doc)."""
+    def drain(self) -> int:
+        """Take the queued messages (see the module doc). Returns how many."""
         if self.paused or self._loop is None:
-            return
+            return 0
         taken = 0
         self.behind = False
         while taken < self.max_per_wake:
@@ -106,6 +109,7 @@ class Drain:
             self.behind = True
             self._loop.call_soon(self.drain)
         self.wakes += taken > 0
+        return taken
 
 
 class Inbox:
@@ -153,30 +157,46 @@ class Inbox:
 
     def catch_up(self) -> None:
         """Take every message the sockets hold now (the module doc's invariant)."""
+        self._read()
+        self._watch()
+
+    def _read(self) -> int:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         ready: set[Drain] = {key.data for key, _ in self._sel.select(0)}
         ready.update(d for d in self._drains if d.behind)  # ZMQ signals no new edge for those
-        for drain in ready:
-            drain.drain()
+        taken = sum(drain.drain() for drain in ready)
         self.short += any(d.behind for d in ready)
         self.catch_ups += 1
         if self._loop is not None:
             self._last = self._loop.time()
-            self._watch()
+        return taken
 
     def _watch(self) -> None:
-        assert self._loop is not None, "the inbox is not started"
-        if not self._watching and self._timer is None:
+        if self._loop is not None and not self._watching:
             self._loop.add_reader(self._sel.fileno(), self._woken)
             self._watching = True
 
     def _woken(self) -> None:
-        """A socket has something and nothing was pending: read them all ``interval_s`` after the
-        last read (not watched meanwhile, so the loop is not woken again before)."""
+        """A message arrived while the sockets were watched. Sparse traffic (the last read is
+        ``interval_s`` old): read now and watch again, one wake-up per message. Dense: read
+        ``interval_s`` after the last read, unwatched meanwhile, and keep reading on that timer
+        while each read finds messages (:meth:`_tick`): one wake-up per interval."""
         assert self._loop is not None, "woken before start"
         self._loop.remove_reader(self._sel.fileno())
         self._watching = False
         self.woken += 1
-        self._timer = self._loop.call_at(max(self._loop.time(), self._last + self.interval_s), self.catch_up)
+        due = self._last + self.interval_s
+        if self._loop.time() >= due:
+            self.catch_up()
+        else:
+            self._timer = self._loop.call_at(due, self._tick)
+
+    def _tick(self) -> None:
+        assert self._loop is not None, "a timer after stop"
+        self._timer = None
+        if self._read():
+            self._timer = self._loop.call_later(self.interval_s, self._tick)
+        else:
+            self._watch()

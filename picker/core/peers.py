@@ -23,7 +23,19 @@ drops a 5-element one, so during a rolling upgrade peers miss each other's picks
 ``[b"load", msgpack([sender id, report])]``, ``report`` being
 ``{endpoint key: [requests, pending prefill tokens]}``. A pick
 names an endpoint of the receiver's pool and at most ``MAX_BLOCKS`` keys and hashes of 60-bit
-ints, or it is dropped (counted in ``bad``). Our SUB sockets connect out to the configured peer
+ints, or it is dropped (counted in ``bad``).
+
+Smaller picks: the leading keys that the chosen endpoint already holds by its KV events are left
+out, since every peer has them from the same events (in precise mode, with a shared prefix, that is
+most of a prompt: 64 of 68 keys on the shared-prefix benchmark). Such a pick goes on its own topic,
+``[b"tail", msgpack([sender id, endpoint key, skipped, keys after the skipped, hashes, report])]``
+(``skipped`` > 0); a pick that skips nothing is sent as ``pick`` above. The receiver records the
+keys it is given as speculative entries, as for a whole pick: the skipped ones it holds confirmed
+already, or will as soon as it reads the same events (a pick is sent after the events it relies on
+reached the sender; a peer reading them a moment later can under-count that endpoint's prefix in
+between, never over-count it). Mixed versions: a picker older than this does not subscribe to
+``tail`` (the topic does not start with ``pick`` or ``load``, its filters), so it never mis-reads
+one: it misses the picks that skip keys, as it would have missed a newer format anyway. Our SUB sockets connect out to the configured peer
 addresses only, so a pod that can reach our port cannot inject picks: it would have to be a peer.
 Sending never blocks (PUB drops at its high-water mark).
 
@@ -56,7 +68,7 @@ Service naming every picker pod), whatever that name resolves to, re-resolved ev
 added picker pod (a new IP) is heard within one interval and scaling needs no restart. Our own
 address may be among them: our own messages are recognised by ``ident`` and skipped.
 
-State: ``bad`` / ``received`` / ``picks`` / ``own`` counters, ``_loads`` (peer → (heard at, report)),
+State: ``bad`` / ``received`` / ``picks`` / ``own`` / ``skipped`` counters, ``_loads`` (peer → (heard at, report)),
 ``_sharers`` (peer → heard at, the scrape owners) and ``discovered`` (addresses connected through
 ``peer_dns``), written by :meth:`run` and its tasks only; ``_pending`` (our outcomes not sent yet),
 written by :meth:`share` and emptied by :meth:`flush_scrapes`; the ``peer_load`` of the pool's
@@ -85,6 +97,9 @@ from picker.core.scrape import Outcome, Scraper, metrics_from_wire, metrics_to_w
 
 log = logging.getLogger(__name__)
 TOPIC = b"pick"
+TAIL = b"tail"
+"""Topic of picks without the chosen endpoint's confirmed leading keys (module doc); like
+``SCRAPE``, it must not start with ``pick`` or ``load``."""
 LOAD = b"load"
 SCRAPE = b"scrape"
 """Topic of shared scrapes: it must not start with ``pick`` or ``load``, which older pickers
@@ -168,6 +183,8 @@ class Peers:
         self.picks = 0
         self.own = 0
         self.bad = 0
+        self.skipped = 0
+        """Keys our picks left out, the endpoint holding them by its events (module doc)."""
         router.on_pick = self.publish
 
     def publish(self, endpoint: str, keys: Sequence[int] | None, hashes: Sequence[int]) -> None:
@@ -175,11 +192,20 @@ class Peers:
         is full)."""
         report = self._report()
         self._last_report = (self.clock(), report)
-        body = msgpack.packb(
-            [self.ident, endpoint, list(keys or ()), list(hashes), report], use_bin_type=True
-        )
+        keys = keys or ()
+        precise = self.router.precise
+        skip = precise.confirmed_depth(endpoint, keys) if keys and precise is not None else 0
+        if skip:
+            topic = TAIL
+            body = msgpack.packb(
+                [self.ident, endpoint, skip, list(keys[skip:]), list(hashes), report], use_bin_type=True
+            )
+        else:
+            topic = TOPIC
+            body = msgpack.packb([self.ident, endpoint, list(keys), list(hashes), report], use_bin_type=True)
+        self.skipped += skip
         with contextlib.suppress(zmq.Again):
-            self._pub.send_multipart([TOPIC, body], flags=zmq.NOBLOCK)
+            self._pub.send_multipart([topic, body], flags=zmq.NOBLOCK)
 
     def apply(self, body: bytes) -> bool:
         """Record one peer pick. Returns False for a malformed or foreign one (dropped)."""
@@ -188,6 +214,22 @@ class Peers:
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             log.debug("bad peer message: %s", exc)
             return False
+        return self._record(ident, endpoint, keys, hashes, rest)
+
+    def apply_tail(self, body: bytes) -> bool:
+        """Record one peer pick that left out its endpoint's confirmed leading keys (module doc).
+        Returns False for a malformed or foreign one (dropped)."""
+        try:
+            ident, endpoint, skipped, keys, hashes, report = msgpack.unpackb(body, raw=False)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            log.debug("bad peer message: %s", exc)
+            return False
+        if not (type(skipped) is int and 0 < skipped <= MAX_BLOCKS):
+            return False
+        return self._record(ident, endpoint, keys, hashes, [report])
+
+    def _record(self, ident: Any, endpoint: Any, keys: Any, hashes: Any, rest: list[Any]) -> bool:
+        """A pick's checks and entries (``rest``: its load report, if any)."""
         if ident == self.ident:  # our own, heard back through the peer name
             self.own += 1
             return True
@@ -368,7 +410,7 @@ class Peers:
             ok = self.apply_scrapes(frames[1])
         else:
             own = self.own
-            ok = self.apply(frames[1])
+            ok = self.apply_tail(frames[1]) if frames[0] == TAIL else self.apply(frames[1])
             self.picks += ok and self.own == own
         self.received += 1
         self.bad += not ok
@@ -381,6 +423,7 @@ class Peers:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        sub.setsockopt(zmq.SUBSCRIBE, TAIL)
         sub.setsockopt(zmq.SUBSCRIBE, LOAD)
         sub.setsockopt(zmq.SUBSCRIBE, SCRAPE)
         for p in self.peers:

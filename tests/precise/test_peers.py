@@ -280,3 +280,49 @@ def peer_a_owns(key: str) -> bool:
     import xxhash
 
     return xxhash.xxh64_intdigest(f"a|{key}".encode()) > xxhash.xxh64_intdigest(f"b|{key}".encode())
+
+
+async def test_a_pick_leaves_out_what_its_endpoint_holds_by_events() -> None:
+    """Both pickers have the same KV events: endpoint X holds a prompt's first 30 blocks. A's pick
+    of the 40-block prompt on X carries the last 10 keys only, on the ``tail`` topic (which an
+    older picker, subscribed to ``pick`` and ``load``, never receives); B, told of it, matches all
+    40 blocks on X. Malformed tails are dropped."""
+    from picker.core.prefix.precise import request_keys
+
+    async with pair("precise") as (a, b, peer_a, peer_b):
+        old = zmq.Context.instance().socket(zmq.SUB)
+        old.connect(peer_a._pub.getsockopt(zmq.LAST_ENDPOINT).decode())
+        for topic in (b"pick", b"load"):
+            old.setsockopt(zmq.SUBSCRIBE, topic)
+        toks = list(range(500, 500 + 16 * 40))
+        x = EPS[1].key
+        for r in (a, b):
+            assert r.precise is not None
+            assert r.precise.stored(x, list(range(1, 31)), None, toks[: 16 * 30], 16, None)
+        await asyncio.sleep(0.3)
+        req = InferenceRequest(model="m", routing_text="x", prompt_token_ids=toks)
+        d = a.route(req)
+        assert d.primary.key == x and d.keys == request_keys(toks, 16)
+        a.start(d)
+        assert peer_a.skipped == 30
+        await until(lambda: peer_b.picks >= 1, "tail pick received")
+        assert peer_b.bad == 0
+        db = b.route(req)
+        assert db.primary.key == x and db.cycle.matches[x] == 40
+        assert b.precise is not None and b.precise._spec_count == 10, "only the tail is speculative"
+        await asyncio.sleep(0.1)
+        with pytest.raises(zmq.Again):
+            while True:  # the tail never reaches an older picker
+                assert old.recv_multipart(zmq.NOBLOCK)[0] in (b"pick", b"load")
+        old.close(linger=0)
+        bad = [
+            msgpack.packb(["x", x, 0, [1], [], {}]),  # skips nothing: that is a "pick"
+            msgpack.packb(["x", x, -3, [1], [], {}]),
+            msgpack.packb(["x", x, "30", [1], [], {}]),
+            msgpack.packb(["x", x, 30, [1], []]),  # no report
+            msgpack.packb(["x", "10.9.9.9:1", 30, [1], [], {}]),
+        ]
+        for body in bad:
+            peer_a._pub.send_multipart([b"tail", body])
+        await until(lambda: peer_b.bad >= len(bad), "bad tails counted")
+        assert peer_b.picks == 1

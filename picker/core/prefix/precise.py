@@ -338,6 +338,20 @@ class PreciseIndex:
         s = self._slots.get(key)
         return set(self._held[s]) if s is not None else set()
 
+    def confirmed_depth(self, key: str, keys: Sequence[int]) -> int:
+        """Leading ``keys`` that endpoint ``key`` holds by its KV events (speculative entries do
+        not count): what every picker subscribed to the same events knows already."""
+        s = self._slots.get(key)
+        if s is None:
+            return 0
+        bit, get = 1 << s, self._mask.get
+        depth = 0
+        for k in keys:
+            if not get(k, 0) & bit:
+                break
+            depth += 1
+        return depth
+
     def check(self) -> None:
         want: dict[int, int] = {}
         for s, held in self._held.items():
