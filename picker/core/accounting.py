@@ -93,9 +93,10 @@ class Ticket:
     matched_blocks: int = 0
     extra: dict[str, float] = field(default_factory=dict)
     cycle: Cycle | None = None
-    """The cycle that picked: its matches price a re-credited endpoint's cached tokens."""
+    """The cycle that picked: its matches price a re-credited endpoint's cached tokens. None
+    once the ticket is done (:meth:`Accounting.finish`)."""
     hashes: Sequence[int] = ()
-    """The request's block hashes (the list the index recorded; not a copy)."""
+    """The request's block hashes (the list the index recorded; not a copy). Empty once done."""
 
 
 def _ewma(current: float, observed: float, alpha: float) -> float:
@@ -237,8 +238,13 @@ class Accounting:
             self.first_byte_rate = _ewma(self.first_byte_rate, observed, self.alpha)
 
     def finish(self, ticket: Ticket) -> None:
-        """End, error, reset or disconnect; idempotent."""
+        """End, error, reset or disconnect; idempotent. The finished ticket lets go of its cycle
+        and block hashes: it can stay queued in ``Load.prefill_due`` until its predicted end or
+        the next scrape, and must not keep the request's routing text (up to ``max_blocks ×
+        block_size`` bytes) and hashes alive there. Held, they made the picker's heap grow and
+        shrink by that much per request: fresh pages, zeroed by the kernel, on every large body."""
         if ticket.done:
             return
         ticket.done = True
         self._discharge(ticket)
+        ticket.cycle, ticket.hashes = None, ()

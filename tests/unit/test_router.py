@@ -56,6 +56,22 @@ def test_accounting_returns_to_zero_and_finish_is_idempotent() -> None:
         ), s.key
 
 
+def test_a_finished_ticket_queued_for_its_prefill_holds_no_request_text() -> None:
+    """A long prompt's ticket stays in ``prefill_due`` until its predicted end (far off here:
+    nothing scrapes), but once finished it keeps neither the cycle (the request and its routing
+    text) nor the block hashes: holding them grew the heap by a whole prompt per request."""
+    router, pool, _ = make(1)
+    live = router.start(router.route(req("the long shared document " * 5000)))
+    done = router.start(router.route(req("another long document " * 5000)))
+    router.finish(done)
+    [state] = list(pool)
+    assert done in state.load.prefill_due, "still queued: its predicted prefill end is to come"
+    assert done.cycle is None and done.hashes == ()
+    assert live.cycle is not None and len(live.hashes) > 0, "a live ticket keeps them (re-credit)"
+    router.finish(live)
+    assert all(t.cycle is None and not t.hashes for t in state.load.prefill_due)
+
+
 def test_cycle_estimates_tokens_and_cached_prefix() -> None:
     router, _, _ = make(1)
     text = "x" * 6400  # 100 blocks of 64 bytes, 1600 tokens at 4 chars/token
