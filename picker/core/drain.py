@@ -44,6 +44,7 @@ from collections.abc import Callable
 import zmq
 
 MAX_PER_WAKE = 256
+TRIGGERS = ("pick", "message", "timer")
 INTERVAL_S = 0.025
 """Default :attr:`Inbox.interval_s` (``--message-interval``): see bench/results/peer_messages.md."""
 
@@ -125,8 +126,11 @@ class Inbox:
         self._watching = False
         self._timer: asyncio.TimerHandle | None = None
         self._last = float("-inf")
-        self.catch_ups = 0
-        """Reads of every socket (before picks and on the timer)."""
+        self.reads = dict.fromkeys(TRIGGERS, 0)
+        """Reads of every socket, by what started them: ``pick`` (:meth:`catch_up`), ``message``
+        (one arrived after a quiet interval) or ``timer`` (dense traffic)."""
+        self.messages = 0
+        """Messages those reads took."""
         self.woken = 0
         """Times the loop was woken because a message arrived while nothing was pending."""
         self.short = 0
@@ -155,12 +159,12 @@ class Inbox:
         if registered is not None and drain.fd in registered:  # None: the inbox was stopped
             self._sel.unregister(drain.fd)
 
-    def catch_up(self) -> None:
+    def catch_up(self, trigger: str = "pick") -> None:
         """Take every message the sockets hold now (the module doc's invariant)."""
-        self._read()
+        self._read(trigger)
         self._watch()
 
-    def _read(self) -> int:
+    def _read(self, trigger: str) -> int:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -168,7 +172,8 @@ class Inbox:
         ready.update(d for d in self._drains if d.behind)  # ZMQ signals no new edge for those
         taken = sum(drain.drain() for drain in ready)
         self.short += any(d.behind for d in ready)
-        self.catch_ups += 1
+        self.reads[trigger] += 1
+        self.messages += taken
         if self._loop is not None:
             self._last = self._loop.time()
         return taken
@@ -189,14 +194,14 @@ class Inbox:
         self.woken += 1
         due = self._last + self.interval_s
         if self._loop.time() >= due:
-            self.catch_up()
+            self.catch_up("message")
         else:
             self._timer = self._loop.call_at(due, self._tick)
 
     def _tick(self) -> None:
         assert self._loop is not None, "a timer after stop"
         self._timer = None
-        if self._read():
+        if self._read("timer"):
             self._timer = self._loop.call_later(self.interval_s, self._tick)
         else:
             self._watch()

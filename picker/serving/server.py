@@ -194,6 +194,7 @@ class PickerServer:
         inbox = Inbox(self.opts.message_interval_s)
         inbox.start()
         self.router.catch_up = inbox.catch_up
+        self.telemetry.inbox = inbox
         subs = self._subs = self._subscribers(inbox)
         peers = (
             Peers(self.router, self.opts.peer_bind, self.opts.peers, peer_dns=self.opts.peer_dns, inbox=inbox)

@@ -23,6 +23,14 @@ MAX_MODEL_LABELS = 256
 count as "other" (client-chosen names must not grow the registry without bound)."""
 
 
+class InboxCounts(Protocol):
+    """What the telemetry mirrors of the message inbox (:class:`picker.core.drain.Inbox`)."""
+
+    reads: dict[str, int]
+    messages: int
+    short: int
+
+
 class ScrapeCounts(Protocol):
     """What the telemetry mirrors of the scraper (:class:`picker.core.scrape.Scraper`)."""
 
@@ -135,7 +143,25 @@ class Telemetry:
             ["endpoint"],
             registry=r,
         )
+        self.inbox_reads = Counter(
+            "kvpick_message_reads",
+            "Reads of the KV-event and peer sockets, by trigger: pick (before each pick), message "
+            "(one arrived after a quiet interval) or timer (dense traffic, once per --message-interval)",
+            ["trigger"],
+            registry=r,
+        )
+        self.inbox_messages = Counter(
+            "kvpick_messages_read", "KV-event batches and peer messages taken by those reads", registry=r
+        )
+        self.inbox_short = Counter(
+            "kvpick_message_reads_behind",
+            "Reads that left a socket with more than 256 messages queued (a flood: the rest follows)",
+            registry=r,
+        )
         r.register(tally)
+        self.inbox: InboxCounts | None = None
+        """Set by the server: the inbox whose counts :meth:`refresh` mirrors."""
+        self._inbox_seen: tuple[dict[str, int], int, int] = ({}, 0, 0)
         self.scraper: ScrapeCounts | None = None
         """Set by the server: the scraper whose counts and ownership :meth:`refresh` mirrors."""
         self._scrapes_seen = (0, 0)
@@ -174,6 +200,8 @@ class Telemetry:
             self.in_flight_tokens.labels(s.key).set(s.load.in_flight_tokens)
         if self.scraper is not None:
             self._mirror_scrapes(self.scraper, live)
+        if self.inbox is not None:
+            self._mirror_inbox(self.inbox)
         self.ready_pods.labels(self.pool_name).set(ready)
         self.avg_kv.labels(self.pool_name).set(kv / ready if ready else 0.0)
         self.avg_queue.labels(self.pool_name).set(queue / ready if ready else 0.0)
@@ -181,6 +209,14 @@ class Telemetry:
             for labels in list(gauge._metrics):  # drop series of departed endpoints
                 if labels[0] not in live:
                     gauge.remove(*labels)
+
+    def _mirror_inbox(self, inbox: InboxCounts) -> None:
+        reads, messages, short = self._inbox_seen
+        for trigger, n in inbox.reads.items():
+            self.inbox_reads.labels(trigger).inc(n - reads.get(trigger, 0))
+        self.inbox_messages.inc(inbox.messages - messages)
+        self.inbox_short.inc(inbox.short - short)
+        self._inbox_seen = (dict(inbox.reads), inbox.messages, inbox.short)
 
     def _mirror_scrapes(self, scraper: ScrapeCounts, live: set[str]) -> None:
         own, peer = scraper.own_scrapes, scraper.peer_outcomes

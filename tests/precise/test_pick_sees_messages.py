@@ -12,7 +12,8 @@ replica holds, and the expected endpoint alternates.
   the prompt there (its hit-ratio histogram), and the replica must report them cached;
 - peer picks: the peer announces a pick of a new prompt on one replica, then, 0.3 s later, a
   follow-up through Envoy must go there, every block found (the peer's pick is a speculative
-  entry).
+  entry);
+- the picker's ``kvpick_message_reads_total`` counts a read before each pick and none on its timer.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import time
 import msgpack
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from kvlaunch import Procs, Stack, free_port, http
 from picker.core.prefix.precise import request_keys
@@ -57,6 +60,11 @@ def served(ports: list[int]) -> list[float]:
             sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("vllm:request_success_total"))
         )
     return out
+
+
+def samples(st: Stack, name: str) -> list[Sample]:
+    _, body, _ = http("GET", f"http://127.0.0.1:{st.metrics_port}/metrics")
+    return [s for fam in text_string_to_metric_families(body.decode()) for s in fam.samples if s.name == name]
 
 
 def hit_ratio_sum(st: Stack) -> float:
@@ -125,6 +133,8 @@ def test_a_pick_sees_what_arrived_before_it(tmp_path: pathlib.Path) -> None:
             time.sleep(SETTLE_S)
             got = through_envoy(st, ports, [*doc, 2, 3])
             assert got == (which, 0, 1.0), (i, got, st.endpoints())
+        reads = {s.labels["trigger"]: s.value for s in samples(st, "kvpick_message_reads_total")}
+        assert reads["pick"] >= 9 and reads["timer"] == 0, reads
     finally:
         peer.close()
         ctx.term()
