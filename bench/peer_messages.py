@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst", type=int, default=1, help="messages sent back to back every --gap-ms")
     p.add_argument(
         "--intervals",
-        default="0,0.025",
+        default="0,0.05",
         help="comma-separated: 0 = woken per message, T = read through the inbox at most every T s",
     )
     p.add_argument("--split", action="store_true", help="the in-loop cost per block, stage by stage")
