@@ -17,8 +17,8 @@ Who calls :meth:`Drain.drain`:
   scheduled. A message that arrives ``interval_s`` or more after the previous read is read at
   once (sparse traffic: one wake-up per message, as without an inbox); one that arrives sooner
   is read ``interval_s`` after the previous read, unwatched meanwhile, and the reads go on on that
-  timer while each finds messages (dense traffic: one wake-up per interval for all sockets
-  together, however many messages). An idle picker is never woken. The router calls
+  timer while each finds more than one message (dense traffic: one wake-up per interval for all
+  sockets together, however many messages). An idle picker is never woken. The router calls
   :meth:`Inbox.catch_up` before every pick: that read is free (the loop is awake anyway) and
   puts the inbox back to watching.
 
@@ -191,7 +191,7 @@ class Inbox:
         """A message arrived while the sockets were watched. Sparse traffic (the last read is
         ``interval_s`` old): read now and watch again, one wake-up per message. Dense: read
         ``interval_s`` after the last read, unwatched meanwhile, and keep reading on that timer
-        while each read finds messages (:meth:`_tick`): one wake-up per interval."""
+        while each read finds more than one message (:meth:`_tick`): one wake-up per interval."""
         assert self._loop is not None, "woken before start"
         self._loop.remove_reader(self._sel.fileno())
         self._watching = False
@@ -205,7 +205,7 @@ class Inbox:
     def _tick(self) -> None:
         assert self._loop is not None, "a timer after stop"
         self._timer = None
-        if self._read("timer"):
+        if self._read("timer") > 1:  # batching paid: stay on the timer (one message: a wake-up each)
             self._timer = self._loop.call_later(self.interval_s, self._tick)
         else:
             self._watch()

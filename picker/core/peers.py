@@ -11,8 +11,8 @@ They also report their in-flight work, per endpoint: the requests each has in fl
 their pending prefill tokens. Every pick carries its sender's report (taken after the pick is
 charged), and every ``load_interval_s`` (50 ms) each picker sends a report of its own only when its
 work changed since the last report it sent (a request finished), or ``load_heartbeat_s`` (0.25 s)
-after it: every message wakes every peer, so a busy picker sends about one message per pick and
-per finish, and an idle one 4 a second. A receiver sums
+after it: a busy picker sends about one message per pick and per finish, and an idle one 4 a
+second. Only a picker with work in flight looks every 50 ms; one without wakes for its heartbeats. A receiver sums
 the latest report of every peer heard from in the last ``load_ttl_s`` (1 s: a dead peer's load
 fades) into ``EndpointState.peer_load``, which
 the cost scorer and the load guard add to the picker's own.
@@ -158,7 +158,12 @@ class Peers:
             load_heartbeat_s,
         )
         self._last_report: tuple[float, dict[str, list[int]]] | None = None
-        """(sent at, report) of our last load report; written by :meth:`publish_load` only."""
+        """(sent at, report) of our last load report; written by :meth:`publish_load` and
+        :meth:`publish` only."""
+        self._hurry: asyncio.Future[None] | None = None
+        """What :meth:`_report_loads` waits on (its timer, or a pick: :meth:`publish`)."""
+        self._idle_pace = False
+        """Whether that wait is longer than ``load_interval_s`` (no work was in flight)."""
         self._loads: dict[str, tuple[float, dict[str, list[int]]]] = {}
         assert load_heartbeat_s < share_ttl_s, (
             f"the heartbeat {load_heartbeat_s} s must be shorter than the share TTL {share_ttl_s} s, "
@@ -206,6 +211,8 @@ class Peers:
         self.skipped += skip
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart([topic, body], flags=zmq.NOBLOCK)
+        if self._idle_pace and self._hurry is not None and not self._hurry.done():
+            self._hurry.set_result(None)  # work in flight now: reports at its pace
 
     def apply(self, body: bytes) -> bool:
         """Record one peer pick. Returns False for a malformed or foreign one (dropped)."""
@@ -370,6 +377,10 @@ class Peers:
             s.peer_load.pending_prefill_tokens = pending.get(s.key, 0)
 
     async def _report_loads(self) -> None:
+        """Send our load reports and heartbeats, and expire silent peers (module doc), until
+        cancelled: every ``load_interval_s`` while we have work in flight, else only when a
+        heartbeat is due (an idle picker is not woken 20 times a second for nothing)."""
+        loop = asyncio.get_running_loop()
         while True:
             self.publish_load()
             self.refresh_loads()
@@ -378,7 +389,26 @@ class Peers:
                 self._expire_sharers(now)
                 if now - self._shared_at >= self.load_heartbeat_s and self._flush_at is None:
                     self.flush_scrapes()
-            await asyncio.sleep(self.load_interval_s)
+            self._hurry = loop.create_future()
+            pause = self._next_report_s()
+            self._idle_pace = pause > self.load_interval_s
+            timer = loop.call_later(pause, _resolve, self._hurry)
+            try:
+                await self._hurry
+            finally:
+                timer.cancel()
+
+    def _next_report_s(self) -> float:
+        """Seconds until :meth:`_report_loads` must look again: ``load_interval_s`` while our last
+        report had work in it, else until the next heartbeat (load or scrapes) is due."""
+        last = self._last_report
+        if last is None or last[1]:
+            return self.load_interval_s
+        now = self.clock()
+        due = last[0] + self.load_heartbeat_s - now
+        if self.scraper is not None:
+            due = min(due, self._shared_at + self.load_heartbeat_s - now)
+        return max(self.load_interval_s, due)
 
     async def _discover(self, sub: zmq.Socket[bytes], drain: Drain) -> None:
         """Keep ``sub`` connected to every address ``peer_dns`` resolves to (module doc)."""
@@ -446,6 +476,11 @@ class Peers:
             self._flush_at.cancel()
         self._pub.close(linger=0)
         self._ctx.term()
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _ints(xs: Any) -> bool:

@@ -135,13 +135,15 @@ class PickerServer:
         await _maybe_await(self.health.set(GIE_PROBE_SERVICE, synced))
 
     async def _watch_readiness(self) -> None:
+        """Readiness follows discovery's first sync (checked every 0.1 s until then; once ready,
+        every second: only the drain, which sets it itself, turns it off)."""
         last: bool | None = None
         while True:
             ready = self.pool.synced and not self.draining
             if ready != last:
                 await self._set_health(ready)
                 last = ready
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0 if ready else 0.1)
 
     def _grpc_server(self) -> grpc.aio.Server:
         reuse = int(self.opts.reuse_port)
