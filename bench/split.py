@@ -16,7 +16,7 @@ Four records of one request, all on this host's wall clock (``time.time()``):
 
 - ``to_envoy``: client send → Envoy's first byte (kvpick);
 - ``envoy_picker``: Envoy's first byte → request sent to the model server (Envoy, ext_proc, the
-  picker), of which ``ext_proc_calls``: the two ext_proc calls' round trips as Envoy timed them;
+  picker), of which ``ext_proc_calls``: the ext_proc calls' round trips as Envoy timed them;
 - ``router``: client send → request sent by the router (sglang-router: the send time is not
   logged, so this is 0 and its time is inside ``api_server``);
 - ``api_server``: request sent to the model server → vLLM's arrival (its HTTP handling,
@@ -93,6 +93,21 @@ def _us(doc: dict[str, Any], key: str) -> float:
     return float(v) / 1e6 if v not in (None, "", "-") else 0.0
 
 
+def _ext_proc_calls(envoy: dict[str, Any]) -> float:
+    """The wall time of a request's ext_proc calls, as Envoy timed them: the headers' call and
+    the body's, one after the other (BUFFERED: one body call); where Envoy sent the body without
+    waiting for the headers' answer (one-trip or streamed bodies: several body calls, or a size
+    twin's route in the log's ``route``) the body's calls run inside the headers' call, which the
+    picker answers once the body is in: that call alone. (Envoy drops the content-length of a
+    streamed body, so after the pick such a request matches the ``:streamed`` twin.)"""
+    header = _us(envoy, "ext_proc_request_header_latency_us")
+    twin = str(envoy.get("route", "")).endswith((":one-trip", ":streamed"))
+    calls = envoy.get("ext_proc_request_body_call_count")
+    if twin or (calls not in (None, "", "-") and int(calls) >= 2):
+        return header
+    return header + _us(envoy, "ext_proc_request_body_total_latency_us")
+
+
 def segments(o: Outcome, span: Span | None, envoy: dict[str, Any] | None) -> dict[str, float] | None:
     """``o``'s client TTFT cut into the module doc's pieces (seconds); None without vLLM's span."""
     if not o.ok or span is None:
@@ -105,9 +120,7 @@ def segments(o: Outcome, span: Span | None, envoy: dict[str, Any] | None) -> dic
         upstream = start + _us(envoy, "upstream_tx_us")
         seg["to_envoy"] = start - o.sent_wall
         seg["envoy_picker"] = upstream - start
-        seg["ext_proc_calls"] = _us(envoy, "ext_proc_request_header_latency_us") + _us(
-            envoy, "ext_proc_request_body_total_latency_us"
-        )
+        seg["ext_proc_calls"] = _ext_proc_calls(envoy)
         seg["api_server"] = span.arrival - upstream
     else:
         seg["to_envoy"] = seg["envoy_picker"] = seg["ext_proc_calls"] = 0.0

@@ -36,20 +36,40 @@ Failure mode (``failure_mode_allow``):
 
 Request bodies are BUFFERED by default, in every config (fail-close too; GIE's own config uses
 FULL_DUPLEX_STREAMED, which ``--body-mode FULL_DUPLEX_STREAMED`` still renders and the picker
-still serves). Envoy holds the body (up to the picker's limit; past it Envoy answers 413) and sends
-it in one message; the picker answers the headers at once, and the body with one message carrying
-the destination. In FULL_DUPLEX_STREAMED the body arrives in many chunks and has to be echoed back:
-BUFFERED cost about 30% less picker CPU per 220 KB request and about 10% less per 8 KB one
-(bench.datapath). It also lets the picker's answer to the request headers skip the response path
-for the request (``mode_override``; Envoy ignores it in FULL_DUPLEX_STREAMED, where the headers
-are answered after the body): see the picker's ``--response-headers``.
+still serves), except the small ones, which go in one trip (below). Envoy holds a BUFFERED body
+(up to the picker's limit; past it Envoy answers 413) and sends it in one message; the picker
+answers the headers at once, and the body with one message carrying the destination. In
+FULL_DUPLEX_STREAMED the body arrives in many chunks and has to be echoed back: BUFFERED cost about
+30% less picker CPU per 220 KB request and about 10% less per 8 KB one (bench.datapath).
 
-Request headers are always SENT, so a request costs two messages each way, not one. With
-``request_header_mode: SKIP`` ext_proc lets the headers through at once, and the router matches the
-route and ORIGINAL_DST (or override_host) picks the host at the headers, before the body is sent;
-a body answer's header mutation then has no headers to change (Envoy 1.40, ``ext_proc.cc``
-``decodeHeaders``, ``processor_state.cc`` ``handleBodyResponse``). Every request got Envoy's 404
-(the route requires the destination header), or 503 without that requirement
+Small bodies go in one trip (``--one-trip-under``, 64 KiB; every config). BUFFERED costs two
+round trips to the picker, one after the other: Envoy sends the body only once the headers are
+answered. So each route has twins for a ``content-length`` under the threshold whose per-route
+override makes the request body STREAMED, and the filter sets
+``send_body_without_waiting_for_header_response``: Envoy sends the headers and, right behind them,
+the body's chunks (HTTP/1.1: the data, then an empty end-of-stream chunk), holding each; the
+picker answers nothing until the body is whole, then the headers with the destination (the route
+and host are chosen only once that answer has come: Envoy 1.40 continues the headers when it
+injects the first answered chunk) and one pass-through answer per chunk. A request then costs one
+round trip. The threshold keeps a held body far below the listener's buffer limit (past it Envoy
+would stop reading a body the picker waits for). With that flag Envoy ignores every
+``mode_override`` of the filter (BUFFERED routes too), so the picker can no longer skip the
+response headers per request; the config skips them instead where the picker has no use for them
+(``--response-headers``, default skip with an ORIGINAL_DST upstream and no response body: one host
+serves, nothing to re-credit; ``send`` where it needs them: the pool upstream's fallbacks).
+Response trailers stay SEND (model servers send none): with nothing of the response left to send,
+Envoy 1.40 closes the ext_proc stream at the end of a STREAMED request body
+(``closeGrpcStreamIfLastRespReceived``, no longer behind a runtime guard), which would end the
+picker's accounting while the response still streams. Envoy removes a STREAMED body's
+``content-length``: the request goes upstream chunked, and after the pick it matches the
+size-unknown twin, which routes the same (the access log's ``route`` names it).
+
+Request headers are always SENT. With ``request_header_mode: SKIP`` ext_proc lets the headers
+through at once, and the router matches the route and ORIGINAL_DST (or override_host) picks the
+host at the headers, before the body is sent; a body answer's header mutation then has no headers
+to change (Envoy 1.40, ``ext_proc.cc`` ``decodeHeaders``, ``processor_state.cc``
+``handleBodyResponse``). Every request got Envoy's 404 (the route requires the destination
+header), or 503 without that requirement
 (``tests/picker/test_datapath.py::test_the_destination_cannot_ride_on_the_body_alone``).
 
 Large bodies are streamed (``--stream-bodies-over``, 1 MiB; fail-close and pool configs). A BUFFERED
@@ -121,9 +141,18 @@ MAX_BODY = 8 * 1024 * 1024
 _T = "type.googleapis.com/envoy.extensions."
 
 
-def _ext_proc(picker: str, failure_open: bool, request_mode: str, response_mode: str) -> dict[str, Any]:
+def _ext_proc(
+    picker: str,
+    failure_open: bool,
+    request_mode: str,
+    response_mode: str,
+    one_trip: bool = False,
+    skip_response: bool = False,
+) -> dict[str, Any]:
     """The ext_proc filter. It forwards the gateway's ``envoy.lb.subset_hint`` metadata and the
-    ``envoy.lb`` namespace (where the served endpoint is reported on the response path)."""
+    ``envoy.lb`` namespace (where the served endpoint is reported on the response path).
+    ``one_trip``: STREAMED request bodies (the small-body routes' override) go to the picker
+    without waiting for the headers' answer (module doc); other modes ignore the flag."""
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -137,15 +166,25 @@ def _ext_proc(picker: str, failure_open: bool, request_mode: str, response_mode:
             "allow_mode_override": True,
             "message_timeout": "10s",
             "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]}},
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "response_header_mode": "SEND",
-                "request_body_mode": request_mode,
-                "response_body_mode": response_mode,
-                "request_trailer_mode": "SEND",
-                "response_trailer_mode": "SEND",
-            },
+            "processing_mode": _mode(request_mode, response_mode, skip_response),
+            **({"send_body_without_waiting_for_header_response": True} if one_trip else {}),
         },
+    }
+
+
+def _mode(request_mode: str, response_mode: str, skip_response: bool) -> dict[str, str]:
+    """An ext_proc ``processing_mode``; ``skip_response``: response headers SKIPped (module doc:
+    with one-trip bodies Envoy ignores the picker's per-request ``mode_override``). Response
+    trailers stay SEND: model servers send none, and were nothing of the response left to send,
+    Envoy 1.40 would close the ext_proc stream at the end of a STREAMED request body, long before
+    the response ends; that close is the picker's only sign that the request ended."""
+    return {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SKIP" if skip_response else "SEND",
+        "request_body_mode": request_mode,
+        "response_body_mode": response_mode,
+        "request_trailer_mode": "SEND",
+        "response_trailer_mode": "SEND",
     }
 
 
@@ -411,41 +450,48 @@ def _retry_policy(retry_on: str, retries: int, other_hosts: bool) -> dict[str, A
 CONNECT_RETRY = "connect-failure,refused-stream,reset-before-request"
 
 
-def _route(cluster: str, idle: str, retry: dict[str, Any], header: str | None = None) -> dict[str, Any]:
+def _route(
+    name: str, cluster: str, idle: str, retry: dict[str, Any], header: str | None = None
+) -> dict[str, Any]:
+    """A route; its ``name`` (the access log's ``route``) says which body mode a request had."""
     match: dict[str, Any] = {"prefix": "/"}
     if header:
         match["headers"] = [{"name": header, "present_match": True}]
     action = {"cluster": cluster, "timeout": "0s", "idle_timeout": idle, "retry_policy": retry}
-    return {"match": match, "route": action}
+    return {"name": name, "match": match, "route": action}
 
 
 def _routes(upstream: str, retries: int, idle: str, fallback: list[str]) -> list[dict[str, Any]]:
     if upstream == "pool":  # override_host: each retry takes the next host of the picker's list
-        return [_route("kvpick_upstream", idle, _retry_policy(CONNECT_RETRY, retries, True))]
+        return [_route("upstream", "kvpick_upstream", idle, _retry_policy(CONNECT_RETRY, retries, True))]
     # ORIGINAL_DST has one host per request: retry a reset before the request went out, once.
-    routes = [_route("kvpick_upstream", idle, _retry_policy("reset-before-request", 1, False), DEST)]
+    routes = [
+        _route("upstream", "kvpick_upstream", idle, _retry_policy("reset-before-request", 1, False), DEST)
+    ]
     if fallback:  # no destination header: the picker did not answer (fail-open)
-        routes.append(_route("kvpick_fallback", idle, _retry_policy(CONNECT_RETRY, retries, True)))
+        routes.append(
+            _route("fallback", "kvpick_fallback", idle, _retry_policy(CONNECT_RETRY, retries, True))
+        )
     return routes
 
 
 INT64_MAX = 2**63 - 1
+ONE_TRIP_ROUTE = "one-trip"
+STREAMED_ROUTE = "streamed"
+"""The suffixes of the size twins' route names (``upstream:one-trip``): the access log's ``route``
+says which body mode a request had."""
+ONE_TRIP_UNDER = 64 * 1024
+"""``--one-trip-under``: request bodies with a ``content-length`` under this many bytes are sent
+STREAMED without waiting for the headers' answer: one round trip to the picker (module doc)."""
 STREAM_BODIES_OVER = 1024 * 1024
 """``--stream-bodies-over``: request bodies of at least this many bytes (or of unknown size) are
 FULL_DUPLEX_STREAMED to the picker, smaller ones BUFFERED (module doc)."""
 
 
-def _streamed_request_body(response_mode: str) -> dict[str, Any]:
-    """The large-body routes' ext_proc override: the filter's modes with the request body
-    FULL_DUPLEX_STREAMED (a per-route ``processing_mode`` replaces the whole mode)."""
-    mode = {
-        "request_header_mode": "SEND",
-        "response_header_mode": "SEND",
-        "request_body_mode": "FULL_DUPLEX_STREAMED",
-        "response_body_mode": response_mode,
-        "request_trailer_mode": "SEND",
-        "response_trailer_mode": "SEND",
-    }
+def _request_body_override(request_mode: str, response_mode: str, skip_response: bool) -> dict[str, Any]:
+    """A route's ext_proc override: the filter's modes with the request body ``request_mode``
+    (a per-route ``processing_mode`` replaces the whole mode)."""
+    mode = _mode(request_mode, response_mode, skip_response)
     return {
         "envoy.filters.http.ext_proc": {
             "@type": _T + "filters.http.ext_proc.v3.ExtProcPerRoute",
@@ -454,19 +500,15 @@ def _streamed_request_body(response_mode: str) -> dict[str, Any]:
     }
 
 
-def _streamed_twins(routes: list[dict[str, Any]], threshold: int, response_mode: str) -> list[dict[str, Any]]:
-    """``routes`` preceded by their twins for large bodies: the same match and action, plus a
-    ``content-length`` of at least ``threshold`` bytes (or none: a chunked body of unknown size),
-    whose ext_proc mode is overridden to stream the request body (module doc). Envoy reads the
-    per-route ext_proc config when the request headers arrive, before the picker has set the
-    destination, so the last twin drops the destination-header condition: a large body always
-    matches some twin before the pick. After the pick (``clear_route_cache``) the twins route
-    exactly as their originals."""
-    per_route = _streamed_request_body(response_mode)
-    sizes = [
-        {"name": "content-length", "range_match": {"start": threshold, "end": INT64_MAX}},
-        {"name": "content-length", "present_match": False},
-    ]
+def _twins(
+    routes: list[dict[str, Any]], sizes: list[dict[str, Any]], per_route: dict[str, Any], kind: str
+) -> list[dict[str, Any]]:
+    """``routes``' twins for the request sizes ``sizes`` (``content-length`` header matchers, one
+    twin set each): the same match and action plus the size, with the ext_proc override
+    ``per_route``, named ``ORIGINAL:kind``. Envoy reads the per-route ext_proc config when the request headers arrive,
+    before the picker has set the destination, so the last twin drops the destination-header
+    condition: a body of that size always matches some twin before the pick. After the pick
+    (``clear_route_cache``) the twins route exactly as their originals."""
     twins = []
     for size in sizes:
         for i, r in enumerate(routes):
@@ -474,12 +516,44 @@ def _streamed_twins(routes: list[dict[str, Any]], threshold: int, response_mode:
             match = dict(r["match"], headers=[*headers, size])
             twins.append(
                 {
+                    "name": f"{r['name']}:{kind}",
                     "match": match,
                     "route": copy.deepcopy(r["route"]),
                     "typed_per_filter_config": copy.deepcopy(per_route),
                 }
             )
-    return [*twins, *routes]
+    return twins
+
+
+def _sized_routes(
+    routes: list[dict[str, Any]],
+    stream_over: int,
+    one_trip_under: int,
+    response_mode: str,
+    skip_response: bool,
+) -> list[dict[str, Any]]:
+    """``routes`` (whose requests keep the filter's BUFFERED body) preceded by twins that change
+    the request body mode by size (module doc): a ``content-length`` of at least ``stream_over``,
+    or none (a chunked body of unknown size), FULL_DUPLEX_STREAMED; one under ``one_trip_under``
+    STREAMED, sent without waiting for the headers' answer. 0 turns either off."""
+    out = []
+    if stream_over > 0:
+        large = [
+            {"name": "content-length", "range_match": {"start": stream_over, "end": INT64_MAX}},
+            {"name": "content-length", "present_match": False},
+        ]
+        out += _twins(
+            routes,
+            large,
+            _request_body_override("FULL_DUPLEX_STREAMED", response_mode, skip_response),
+            STREAMED_ROUTE,
+        )
+    if one_trip_under > 0:
+        small = [{"name": "content-length", "range_match": {"start": 0, "end": one_trip_under}}]
+        out += _twins(
+            routes, small, _request_body_override("STREAMED", response_mode, skip_response), ONE_TRIP_ROUTE
+        )
+    return [*out, *routes]
 
 
 def _too_large_reply(max_body_bytes: int) -> dict[str, Any]:
@@ -527,6 +601,7 @@ def access_log_format() -> dict[str, str]:
         "start": "%START_TIME(%s.%6f)%",
         "status": "%RESPONSE_CODE%",
         "upstream": "%UPSTREAM_HOST%",
+        "route": "%ROUTE_NAME%",
         "duration_ms": "%DURATION%",
     }
     fmt |= {k: f"%COMMON_DURATION(DS_RX_BEG:{point}:us)%" for k, point in _SPANS.items()}
@@ -600,8 +675,15 @@ def _check(
     endpoints: list[str] | None,
     fallback: list[str] | None,
     stream_bodies_over: int = 0,
+    one_trip_under: int = 0,
+    max_body_bytes: int = MAX_BODY,
 ) -> None:
     """Refuse the combinations that render a config which cannot work (ValueError says which)."""
+    held = stream_bodies_over if stream_bodies_over > 0 else max_body_bytes
+    if one_trip_under > held:
+        # Envoy holds a one-trip body until the picker answers, which it does once the body is
+        # whole: past the listener's buffer limit Envoy stops reading it, and both wait.
+        raise ValueError(f"--one-trip-under {one_trip_under} exceeds the largest body Envoy holds ({held})")
     if response_body_mode == "BUFFERED":
         raise ValueError("a BUFFERED response body would hold SSE streams until generation ends")
     if failure_open and body_mode == "FULL_DUPLEX_STREAMED":
@@ -633,6 +715,8 @@ def render(
     stream_bodies_over: int | None = None,
     access_log: str = "",
     preserve_request_id: bool = False,
+    one_trip_under: int | None = None,
+    response_headers: str | None = None,
 ) -> dict[str, Any]:
     """The whole Envoy bootstrap. ``body_mode`` is the request body's; ``picker`` is one or more
     comma-separated ext_proc addresses; see the module doc."""
@@ -640,11 +724,29 @@ def render(
     picker = pickers[0]  # the ext_proc stream's :authority
     if stream_bodies_over is None:  # fail-open cannot stream a body (module doc)
         stream_bodies_over = 0 if failure_open else STREAM_BODIES_OVER
-    _check(failure_open, body_mode, response_body_mode, upstream, endpoints, fallback, stream_bodies_over)
+    if one_trip_under is None:
+        one_trip_under = ONE_TRIP_UNDER if body_mode == "BUFFERED" else 0
+    _check(
+        failure_open,
+        body_mode,
+        response_body_mode,
+        upstream,
+        endpoints,
+        fallback,
+        stream_bodies_over,
+        one_trip_under,
+        max_body_bytes,
+    )
     routes = _routes(upstream, retries, stream_idle_timeout, (fallback or []) if failure_open else [])
-    if body_mode == "BUFFERED" and stream_bodies_over > 0:
-        routes = _streamed_twins(routes, stream_bodies_over, response_body_mode)
-    ext_proc = _ext_proc(picker, failure_open, body_mode, response_body_mode)
+    one_trip = body_mode == "BUFFERED" and one_trip_under > 0
+    if response_headers is None:
+        response_headers = (
+            "skip" if one_trip and upstream == "original-dst" and response_body_mode == "NONE" else "send"
+        )
+    skip_response = response_headers == "skip"
+    if body_mode == "BUFFERED":
+        routes = _sized_routes(routes, stream_bodies_over, one_trip_under, response_body_mode, skip_response)
+    ext_proc = _ext_proc(picker, failure_open, body_mode, response_body_mode, one_trip, skip_response)
     listener: dict[str, Any] = {
         "name": "kvpick",
         "address": {"socket_address": {"address": "0.0.0.0", "port_value": listen_port}},
@@ -745,6 +847,22 @@ def parser() -> argparse.ArgumentParser:
         "0 with fail-open, which cannot stream)",
     )
     p.add_argument(
+        "--one-trip-under",
+        type=int,
+        default=None,
+        help="with BUFFERED request bodies, send those with a content-length under this many bytes "
+        "STREAMED without waiting for the headers' answer (one round trip to the picker); 0: none "
+        f"(default {ONE_TRIP_UNDER})",
+    )
+    p.add_argument(
+        "--response-headers",
+        choices=["skip", "send"],
+        default=None,
+        help="send the picker the response headers (it may still skip them per request where Envoy "
+        "lets it), or skip them in the config (default: skip with one-trip bodies, an ORIGINAL_DST "
+        "upstream and no response body; else send)",
+    )
+    p.add_argument(
         "--access-log",
         default="",
         help="write a JSON access log with per-request timings (Envoy's and ext_proc's) to this file "
@@ -782,6 +900,8 @@ def main(argv: list[str] | None = None) -> int:
             stream_bodies_over=a.stream_bodies_over,
             access_log=a.access_log,
             preserve_request_id=a.preserve_request_id,
+            one_trip_under=a.one_trip_under,
+            response_headers=a.response_headers,
         )
     except ValueError as err:
         parser().error(str(err))

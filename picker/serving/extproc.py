@@ -8,9 +8,18 @@ Message order per HTTP request (one gRPC stream):
   followed by the body as ``StreamedBodyResponse`` chunks of at most ``MAX_CHUNK`` bytes.
 - ``BUFFERED`` request body: answer the headers at once (no mutation), then answer the whole body
   with a ``BodyResponse`` carrying the mutation.
+- One trip: a ``STREAMED`` request body that Envoy sends without waiting for the headers' answer
+  (``send_body_without_waiting_for_header_response``, announced in ``protocol_config``): answer
+  nothing until the body is whole (its end-of-stream, or its declared ``content-length``), then
+  the request-headers response (destination header, ``envoy.lb`` metadata,
+  ``clear_route_cache``) and one ``BodyResponse`` per chunk received (Envoy holds each chunk until
+  then; an unchanged body passes as it is). Envoy continues the headers, and so chooses the route
+  and host, only once that answer has come. A chunk after the pick (HTTP/1.1's empty
+  end-of-stream chunk after a body of the declared length) is answered as it comes.
 - Response headers, body and trailers are answered in order as they arrive; in full-duplex mode
   the response body is echoed back chunk by chunk (SSE passes through unchanged).
-- Response headers are asked for only where the picker uses them (``skip_response_headers``):
+- Response headers are asked for only where the picker uses them (``skip_response_headers``; not
+  in one-trip mode, where Envoy ignores every ``mode_override`` and the config decides):
   with no response body and no fallbacks (under ORIGINAL_DST the primary is the only host that can
   serve, so there is nothing to re-credit), the request-headers response carries a
   ``mode_override`` (Envoy's ``allow_mode_override``) that SKIPs response headers and trailers for
@@ -63,6 +72,7 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 MAX_CHUNK = 62_000
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
+STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
 NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 REQUEST_ID = "x-request-id"
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -96,8 +106,11 @@ STATUS_LINGER_S = 2.0
 """How long a finished ext_proc stream waits for Envoy's reset before sending its status
 (:meth:`ExtProcService.Process`)."""
 EMPTY_LAST_CHUNK = pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True))
-"""What :meth:`ExtProcService._offload` passes on once it has buffered a body's last chunk itself."""
-SKIP_RESPONSE = {mode: _without_response_headers(mode) for mode in (FULL_DUPLEX, BUFFERED, NO_BODY)}
+"""What :meth:`ExtProcService._offload` passes on once it has buffered a body's last chunk itself
+(in one-trip mode, the chunk that completes the declared length)."""
+EMPTY_CHUNK = pb.ProcessingRequest(request_body=pb.HttpBody())
+"""What :meth:`ExtProcService._offload` passes on for a one-trip chunk it has buffered itself."""
+SKIP_RESPONSE = {mode: _without_response_headers(mode) for mode in (FULL_DUPLEX, BUFFERED, STREAMED, NO_BODY)}
 """Built once: ``mode_override`` per request body mode."""
 
 
@@ -112,6 +125,9 @@ HEADERS_ACK = {False: _headers_ack(None), True: _headers_ack(SKIP_RESPONSE[BUFFE
 """Built once, never modified (sent as they are, by many streams): the BUFFERED answer to the
 request headers, which changes nothing, keyed by whether it skips the response path."""
 BODY_ACK = pb.ProcessingResponse(request_body=pb.BodyResponse())
+BODY_CLEAR = pb.ProcessingResponse(
+    request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(clear_body=True)))
+)
 TRAILERS_ACK = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
 RESPONSE_HEADERS_ACK = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 RESPONSE_BODY_ACK = pb.ProcessingResponse(response_body=pb.BodyResponse())
@@ -232,6 +248,15 @@ class BodyAnswers:
         return len(self._by_destination)
 
 
+def _chunk_answers(n: int, new_body: bytes | None) -> list[pb.ProcessingResponse]:
+    """One answer per STREAMED body chunk Envoy holds (``n`` of them): each passes its chunk on
+    unchanged; a rewritten body replaces the first chunk and clears the others."""
+    if new_body is None:
+        return [BODY_ACK] * n
+    first = pb.CommonResponse(body_mutation=pb.BodyMutation(body=new_body))
+    return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=first)), *[BODY_CLEAR] * (n - 1)]
+
+
 @dataclass
 class Exchange:
     """State of one HTTP request's exchange. Protocol state only; lifecycle is the ticket's."""
@@ -261,6 +286,15 @@ class Exchange:
     """Ask Envoy (``mode_override``) not to send the response path, where the modes allow it."""
     body_answers: BodyAnswers | None = None
     """The service's shared answers to unchanged BUFFERED bodies (None: built per request)."""
+    one_trip: bool = False
+    """STREAMED request body sent without waiting for the headers' answer (Envoy's
+    ``send_body_without_waiting_for_header_response``): the headers are answered with the
+    destination once the whole body is in, followed by one answer per body chunk received."""
+    unanswered: int = 0
+    """Body chunks received in one-trip mode and not yet answered (Envoy holds each until then)."""
+    declared: int = -1
+    """The request's ``content-length`` (-1: none). In one-trip mode the body is whole once this
+    many bytes arrived, even if its end-of-stream comes with trailers instead."""
 
     # -- request path -------------------------------------------------------------------------
     def on_request_headers(
@@ -274,6 +308,11 @@ class Exchange:
             # Envoy sets protocol_config (presence-tracked) on the first message only, with its
             # configured modes; there NONE (0) is a real mode: no body message will follow.
             self.request_mode, self.response_mode = cfg.request_body_mode, cfg.response_body_mode
+            if cfg.send_body_without_waiting_for_header_response:
+                # Envoy ignores a mode_override then (for every request of the filter); the
+                # rendered config skips the response path itself where it can (render.py).
+                self.skip_response_headers = False
+                self.one_trip = cfg.request_body_mode == STREAMED
         self.headers = _headers_map(msg)
         self.skip_response_headers = self.skip_response_headers and self.response_mode == NO_BODY
         if msg.end_of_stream or self.request_mode == NO_BODY:
@@ -282,6 +321,10 @@ class Exchange:
             return [self._override(self._headers_response(body_len=None))]
         if self.request_mode == FULL_DUPLEX:
             return []  # answered once the body's end-of-stream arrives
+        if self.one_trip:
+            length = self.headers.get("content-length", "")
+            self.declared = int(length) if length.isdigit() else -1
+            return []  # answered with the destination once the body is in
         return [HEADERS_ACK[self.skip_response_headers and self.request_mode == BUFFERED]]
 
     def _override(self, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
@@ -303,6 +346,13 @@ class Exchange:
 
     def on_request_body(self, msg: pb.HttpBody) -> Iterable[pb.ProcessingResponse]:
         self.absorb(msg.body)
+        if self.one_trip:
+            if self.picked:  # the empty end-of-stream chunk after a body of the declared length
+                return [BODY_ACK]
+            self.unanswered += 1
+            if msg.end_of_stream or self.size == self.declared:
+                return self._finish_request_body()
+            return []
         if not msg.end_of_stream:
             if self.request_mode == FULL_DUPLEX or self.request_mode == BUFFERED:
                 return []
@@ -323,6 +373,10 @@ class Exchange:
             head = self._override(self._headers_response(len(new_body) if new_body is not None else None))
             out = new_body if new_body is not None else chunks
             return itertools.chain((head,), body_chunks(out, "request_body", eos))
+        if self.one_trip:
+            head = self._headers_response(len(new_body) if new_body is not None else None)
+            n, self.unanswered = self.unanswered, 0
+            return [head, *_chunk_answers(n, new_body)]
         if (
             new_body is None
             and self.body_answers is not None
@@ -471,7 +525,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def _offload(self, ex: Exchange, msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
         """A body's last chunk is buffered here (its one copy out of the message: the last chunk
         of a BUFFERED body is the whole body) and the exchange finishes on an empty end-of-stream
-        chunk. Before that, work that must leave the event loop is done: a large body is parsed
+        chunk; in one-trip mode every chunk is, and the one that completes the declared
+        ``content-length`` is the last (its end-of-stream may follow in an empty chunk). Before that, work that must leave the event loop is done: a large body is parsed
         in the worker process; with a tokenizer (precise mode) the prompt is tokenized here when
         the body is under ``prefix.tokenize_inline_bytes`` and no other encode is running (a
         thread hop costs more than a short prompt), else in a thread (HF ``tokenizers`` releases
@@ -479,10 +534,13 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if msg.WhichOneof("request") != "request_body" or ex.picked:
             return msg
         chunk = msg.request_body
-        if not chunk.end_of_stream:
+        if not (chunk.end_of_stream or ex.one_trip):
             return msg
         body = chunk.body  # one copy out of the message; the last chunk may be the whole body
         size = ex.size + len(body)
+        if not chunk.end_of_stream and size != ex.declared:  # one trip: the body is not whole yet
+            ex.absorb(body)
+            return EMPTY_CHUNK
         offload = self.parser is not None and self.parser.offloads(size)
         tokenize = (
             self.router.tokenizer is not None or self.router.remote_tokenizer is not None

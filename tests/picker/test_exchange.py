@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from picker.core.config import RouterConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
+from picker.core.errors import BodyTooLarge, PickerError
 from picker.core.router import Router
 from picker.serving.extproc import (
     BUFFERED,
@@ -404,3 +406,128 @@ async def test_a_finished_stream_waits_for_envoys_reset_instead_of_ending_with_a
     task.cancel()  # Envoy's reset
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+# ---- one trip: STREAMED request body sent without waiting for the headers' answer -------------
+
+ONE_TRIP = pb.ProtocolConfiguration(
+    request_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
+    response_body_mode=NO_BODY,
+    send_body_without_waiting_for_header_response=True,
+)
+
+
+def _one_trip(
+    body: bytes, cuts: list[int], declared: bool = True, **cfg: object
+) -> tuple[Exchange, list[list[pb.ProcessingResponse]]]:
+    """``body`` sent in chunks split at ``cuts``, the last with end-of-stream: the answers to each
+    message, headers first."""
+    ex, _ = make(BUFFERED, **cfg)
+    ex.skip_response_headers = True  # what the service sets without fallbacks; ignored here
+    extra = {"content_length": str(len(body))} if declared else {}
+    answers = [ex.on_request_headers(headers(**extra), ONE_TRIP)]
+    edges = [0, *cuts, len(body)]
+    for i, (a, b) in enumerate(itertools.pairwise(edges)):
+        answers.append(
+            list(ex.on_request_body(pb.HttpBody(body=body[a:b], end_of_stream=i == len(edges) - 2)))
+        )
+    return ex, answers
+
+
+def test_one_trip_answers_the_headers_with_the_destination_after_the_whole_body() -> None:
+    """Every chunk is held by Envoy until answered; the picker answers nothing until the body is
+    whole, then the headers (destination, metadata, clear_route_cache; no mode_override, which
+    Envoy ignores in this mode) and one pass-through answer per chunk. A chunk boundary splits a
+    UTF-8 sequence and the JSON."""
+    body = json.dumps({"model": "m", "prompt": "é" * 30_000}, ensure_ascii=False).encode()
+    cut = body.index("é".encode()) + 1  # inside the two-byte sequence
+    ex, answers = _one_trip(body, [5, cut, len(body) // 2], declared=False)
+    assert all(a == [] for a in answers[:-1]), answers[:-1]
+    head, *acks = answers[-1]
+    assert head.WhichOneof("response") == "request_headers"
+    common = head.request_headers.response
+    assert common.clear_route_cache and not head.HasField("mode_override")
+    assert dest(common)[DEST_HEADER] == ex.destination
+    assert "content-length" not in dest(common), "the body is unchanged"
+    lb = head.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DEST_HEADER].string_value
+    assert lb == ex.destination
+    assert len(acks) == 4 and all(a.WhichOneof("response") == "request_body" for a in acks)
+    assert all(not a.request_body.HasField("response") for a in acks), "each chunk passes unchanged"
+    assert ex.ticket is not None and ex.ticket.state.load.in_flight_requests == 1
+    ex.close()
+    assert ex.ticket.state.load.in_flight_requests == 0
+
+
+def test_one_trip_picks_once_the_declared_length_is_in() -> None:
+    """HTTP/1.1 bodies reach ext_proc as the data and then an empty end-of-stream chunk; the
+    picker answers at the declared content-length, and the empty chunk gets its own answer."""
+    body = b'{"model": "m", "prompt": "hi"}'
+    ex, _ = make(BUFFERED)
+    assert ex.on_request_headers(headers(content_length=str(len(body))), ONE_TRIP) == []
+    out = list(ex.on_request_body(pb.HttpBody(body=body)))
+    assert [o.WhichOneof("response") for o in out] == ["request_headers", "request_body"]
+    [last] = list(ex.on_request_body(pb.HttpBody(body=b"", end_of_stream=True)))
+    assert last.WhichOneof("response") == "request_body" and not last.request_body.HasField("response")
+
+
+def test_one_trip_rewritten_body_replaces_the_first_chunk_and_clears_the_rest() -> None:
+    body = b'{"model": "alias", "prompt": "' + b"x" * 100 + b'"}'
+    ex, _ = make(BUFFERED, trust_gateway_headers=True)
+    hdrs = headers(x_gateway_model_name_rewrite="target", content_length=str(len(body)))
+    ex.on_request_headers(hdrs, ONE_TRIP)
+    ex.on_request_body(pb.HttpBody(body=body[:40]))
+    head, first, second = list(ex.on_request_body(pb.HttpBody(body=body[40:], end_of_stream=True)))
+    new_body = first.request_body.response.body_mutation.body
+    assert json.loads(new_body)["model"] == "target"
+    assert second.request_body.response.body_mutation.clear_body
+    assert dest(head.request_headers.response)["content-length"] == str(len(new_body))
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b'{"model": "m", "prompt": "unterminated', 400),
+        (b'{"prompt": "no model"}', 400),
+        (b'{"model": "\xff"}', 400),
+    ],
+)
+def test_one_trip_bad_body_is_a_4xx_at_its_end(body: bytes, status: int) -> None:
+    ex, _ = make(BUFFERED)
+    ex.on_request_headers(headers(), ONE_TRIP)
+    ex.on_request_body(pb.HttpBody(body=body[:10]))
+    with pytest.raises(PickerError) as err:
+        ex.on_request_body(pb.HttpBody(body=body[10:], end_of_stream=True))
+    assert err.value.status == status and ex.ticket is None
+
+
+def test_one_trip_oversize_body_is_refused_at_the_chunk_that_crosses_the_limit() -> None:
+    ex, _ = make(BUFFERED)
+    ex.on_request_headers(headers(), ONE_TRIP)
+    assert ex.on_request_body(pb.HttpBody(body=b"x" * (1 << 19))) == []
+    with pytest.raises(BodyTooLarge):
+        ex.on_request_body(pb.HttpBody(body=b"x" * (1 << 19) + b"x"))
+
+
+async def test_one_trip_through_the_service_answers_every_chunk_in_order() -> None:
+    """The service's path (the body taken out of each message once, the pick off the loop where
+    it must be): HTTP/1.1's data chunk completes the declared length and is answered with the
+    headers; the empty end-of-stream chunk after it gets its own answer."""
+    svc, telemetry, pool = _service()
+    body = json.dumps({"model": "m", "prompt": "é" * 5000}, ensure_ascii=False).encode()
+    cut = body.index("é".encode()) + 1
+    first = pb.ProcessingRequest(
+        request_headers=headers(content_length=str(len(body))), protocol_config=ONE_TRIP
+    )
+    out = await svc.answers(
+        _stream(
+            first,
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body[:cut])),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body[cut:])),
+            pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True)),
+        )
+    )
+    kinds = [o.WhichOneof("response") for o in out]
+    assert kinds == ["request_headers", "request_body", "request_body", "request_body"], kinds
+    assert DEST_HEADER in dest(out[0].request_headers.response)
+    assert _sample_count(telemetry, "inference_extension_scheduler_e2e_duration_seconds") == 1
+    assert sum(s.load.in_flight_requests for s in pool) == 0, "the stream's end ends the request"
