@@ -90,6 +90,7 @@ CASES = {
         Case("220k-c150", 220 * 1024, 150),
         Case("8k-c64-sse256", 8 * 1024, 64, stream=True),
         Case("8k-c8", 8 * 1024, 8),
+        Case("8k-c1", 8 * 1024, 1),
         Case("220k-c8", 220 * 1024, 8),
         Case("8k-c8-sse256", 8 * 1024, 8, stream=True),
         Case("8k-c64-paced180", 8 * 1024, 64, pace_ms=180),
@@ -100,7 +101,8 @@ CASES = {
 DEFAULT_CASES = ("8k-c64", "220k-c150", "8k-c64-sse256", "8k-c8")
 """The issue's cases; the c8 variants of the others are for profiling at light load, and
 ``8k-c64-paced180`` sends plain requests at about ``8k-c64-sse256``'s rate (each of its streams
-lasts about 180 ms here)."""
+lasts about 180 ms here), and ``8k-c1`` (one request at a time) shows the latency a request adds
+with no queue in front."""
 
 
 @dataclass
