@@ -36,13 +36,14 @@ Failure mode (``failure_mode_allow``):
 
 Request bodies are BUFFERED by default, in every config (fail-close too; GIE's own config uses
 FULL_DUPLEX_STREAMED, which ``--body-mode FULL_DUPLEX_STREAMED`` still renders and the picker
-still serves), except the small ones, which go in one trip (below). Envoy holds a BUFFERED body
+still serves), or in one trip where ``--one-trip-under`` says (below). Envoy holds a BUFFERED body
 (up to the picker's limit; past it Envoy answers 413) and sends it in one message; the picker
 answers the headers at once, and the body with one message carrying the destination. In
 FULL_DUPLEX_STREAMED the body arrives in many chunks and has to be echoed back: BUFFERED cost about
 30% less picker CPU per 220 KB request and about 10% less per 8 KB one (bench.datapath).
 
-Small bodies go in one trip (``--one-trip-under``, 64 KiB; every config). BUFFERED costs two
+Small bodies can go in one trip (``--one-trip-under``, e.g. 64 KiB; off by default: it cost the
+picker more CPU per request at saturation than it saved, bench/results/datapath.md). BUFFERED costs two
 round trips to the picker, one after the other: Envoy sends the body only once the headers are
 answered. So each route has twins for a ``content-length`` under the threshold whose per-route
 override makes the request body STREAMED, and the filter sets
@@ -480,9 +481,11 @@ ONE_TRIP_ROUTE = "one-trip"
 STREAMED_ROUTE = "streamed"
 """The suffixes of the size twins' route names (``upstream:one-trip``): the access log's ``route``
 says which body mode a request had."""
-ONE_TRIP_UNDER = 64 * 1024
+ONE_TRIP_UNDER = 0
 """``--one-trip-under``: request bodies with a ``content-length`` under this many bytes are sent
-STREAMED without waiting for the headers' answer: one round trip to the picker (module doc)."""
+STREAMED without waiting for the headers' answer: one round trip to the picker (module doc). Off
+by default: it cost more picker CPU per request than it saved latency (bench/results/datapath.md).
+64 KiB is the value measured."""
 STREAM_BODIES_OVER = 1024 * 1024
 """``--stream-bodies-over``: request bodies of at least this many bytes (or of unknown size) are
 FULL_DUPLEX_STREAMED to the picker, smaller ones BUFFERED (module doc)."""
@@ -679,6 +682,8 @@ def _check(
     max_body_bytes: int = MAX_BODY,
 ) -> None:
     """Refuse the combinations that render a config which cannot work (ValueError says which)."""
+    if one_trip_under > 0 and body_mode != "BUFFERED":
+        raise ValueError("--one-trip-under needs BUFFERED request bodies (its size twins override them)")
     held = stream_bodies_over if stream_bodies_over > 0 else max_body_bytes
     if one_trip_under > held:
         # Envoy holds a one-trip body until the picker answers, which it does once the body is
@@ -851,8 +856,8 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="with BUFFERED request bodies, send those with a content-length under this many bytes "
-        "STREAMED without waiting for the headers' answer (one round trip to the picker); 0: none "
-        f"(default {ONE_TRIP_UNDER})",
+        "STREAMED without waiting for the headers' answer (one round trip to the picker, e.g. 65536); "
+        f"0: none (default {ONE_TRIP_UNDER})",
     )
     p.add_argument(
         "--response-headers",

@@ -1,7 +1,8 @@
 """The data path through a real Envoy: what the picker receives per request in the shipped default
-config (a small body in one trip: the headers, then the body without waiting for the headers'
-answer, which carries the destination; nothing of the response), where the response headers still
-come (another body mode, or the config sends them), and a streamed response through GIE's own
+config (BUFFERED request body: one message for the headers, one for the body; nothing of the
+response, whose headers the picker skips per request) and with one-trip bodies (``render.py
+--one-trip-under``: the body without waiting for the headers' answer, which carries the
+destination), where the response headers still come, and a streamed response through GIE's own
 test config (which sends response bodies FULL_DUPLEX_STREAMED: each chunk is echoed unchanged)."""
 
 from __future__ import annotations
@@ -82,11 +83,20 @@ def _four_requests(st: Stack) -> dict[str, float]:
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
 
-def test_shipped_default_config_sends_each_request_in_one_trip(tmp_path: pathlib.Path) -> None:
+def test_shipped_default_config_sends_the_picker_two_messages_per_request(tmp_path: pathlib.Path) -> None:
+    with stack(tmp_path) as st:
+        got = _four_requests(st)
+    assert got["request_headers"] == 4 and got["request_body"] == 4, got
+    assert got["response_headers"] == 0, f"response headers not skipped: {got}"
+    assert got.get("response_body", 0.0) == 0, f"the picker received response bodies: {got}"
+
+
+def test_one_trip_config_sends_each_request_in_one_round_trip(tmp_path: pathlib.Path) -> None:
     """The picker answers the headers only once it has the whole body, so that these requests
     are served at all shows Envoy sent the body without waiting for that answer: one round trip.
-    An HTTP/1.1 body comes as its data and an empty end-of-stream chunk, each answered."""
-    with stack(tmp_path) as st:
+    An HTTP/1.1 body comes as its data and an empty end-of-stream chunk, each answered; the
+    config skips the response headers (Envoy ignores the picker's per-request override then)."""
+    with stack(tmp_path, envoy_args=("--one-trip-under", "65536")) as st:
         got = _four_requests(st)
     assert got["request_headers"] == 4 and got["request_body"] == 8, got
     assert got["response_headers"] == 0, f"response headers not skipped: {got}"
@@ -96,8 +106,8 @@ def test_shipped_default_config_sends_each_request_in_one_trip(tmp_path: pathlib
 @pytest.mark.parametrize(
     ("envoy_args", "picker_args"),
     [
-        (("--one-trip-under", "0"), ("--response-headers", "always")),
-        (("--response-headers", "send"), ()),
+        ((), ("--response-headers", "always")),
+        (("--one-trip-under", "65536", "--response-headers", "send"), ()),
         (("--body-mode", "FULL_DUPLEX_STREAMED"), ()),
     ],
     ids=["buffered-always", "config-sends", "full-duplex"],

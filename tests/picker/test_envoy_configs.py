@@ -197,37 +197,17 @@ def _served_reports(metrics_port: int) -> dict[str, float]:
     return out
 
 
-def _send_response_headers(node: Any) -> Any:
-    """``node`` (a config) with every ext_proc processing mode sending the response headers."""
-    if isinstance(node, dict):
-        if "response_header_mode" in node:
-            node["response_header_mode"] = "SEND"
-        for v in node.values():
-            _send_response_headers(v)
-    elif isinstance(node, list):
-        for v in node:
-            _send_response_headers(v)
-    return node
-
-
 @pytest.mark.parametrize("name", ALL)
 def test_every_config_reports_the_served_endpoint(name: str, tmp_path: pathlib.Path) -> None:
     """Every shipped config, ORIGINAL_DST ones included, tells the picker on the response path
     which endpoint served (the protocol's ``x-gateway-destination-endpoint-served``): with one host
-    named per request, it is the primary every time. The picker asks for response headers
-    (``--response-headers always``) so it reads the report; the ORIGINAL_DST configs skip them in
-    the config instead (one-trip bodies: Envoy ignores the picker's per-request choice), so they
-    are turned on as an operator would (``render.py --response-headers send``)."""
+    named per request, it is the primary every time. The picker is asked for response headers
+    (``--response-headers always``) so it reads the report."""
     st = Stack(Procs(tmp_path), [free_port(), free_port()])
     try:
         st.start_upstreams()
         st.start_picker("--response-headers", "always")
-        if name == KIND:
-            st.envoy_port = free_port()
-            cfg = envoy_configs.kind_config(f"localhost:{st.grpc_port}", st.envoy_port, free_port())
-            st.start_envoy(config=yaml.safe_dump(_send_response_headers(cfg)))
-        else:
-            envoy_configs.start_envoy(st, name, "--response-headers", "send")
+        envoy_configs.start_envoy(st, name)
         deadline = time.monotonic() + 20
         while post_json(st.url + "/v1/completions", {"model": "m", "prompt": "w"})[0] != 200:
             assert time.monotonic() < deadline, st.procs.log("envoy")
