@@ -223,11 +223,16 @@ def body_chunks(
         yield pb.ProcessingResponse(**{kind: pb.BodyResponse(response=common)})
 
 
+ONE_TRIP_KEY = "one-trip:"
+""":class:`BodyAnswers` key prefix of a one-trip headers answer (a destination never has it)."""
+
+
 class BodyAnswers:
     """The answer to a BUFFERED body that leaves it unchanged and sends the client's own
     ``x-request-id`` depends on the destination alone (its header mutation and ``envoy.lb``
     metadata): built once per destination, then sent as it is by every stream that picks it
-    (building one costs more than the rest of the handler's protocol work). Never modified once
+    (building one costs more than the rest of the handler's protocol work). The same holds for
+    a one-trip body's headers answer, kept under ``ONE_TRIP_KEY`` + destination. Never modified once
     stored. Bounded: cleared when it holds ``limit`` destinations (there are as many as endpoints,
     times their orders where fallbacks are sent). Writer: the event loop, through :class:`Exchange`."""
 
@@ -373,16 +378,17 @@ class Exchange:
             head = self._override(self._headers_response(len(new_body) if new_body is not None else None))
             out = new_body if new_body is not None else chunks
             return itertools.chain((head,), body_chunks(out, "request_body", eos))
+        unchanged = new_body is None and self.request_id == self.headers.get(REQUEST_ID)
+        shared = self.body_answers if unchanged else None  # the answer depends on the destination alone
         if self.one_trip:
-            head = self._headers_response(len(new_body) if new_body is not None else None)
             n, self.unanswered = self.unanswered, 0
+            if shared is not None:
+                head = shared.get(ONE_TRIP_KEY + self.destination, self._headers_response)
+            else:
+                head = self._headers_response(len(new_body) if new_body is not None else None)
             return [head, *_chunk_answers(n, new_body)]
-        if (
-            new_body is None
-            and self.body_answers is not None
-            and self.request_id == self.headers.get(REQUEST_ID)
-        ):
-            return [self.body_answers.get(self.destination, self._body_answer)]
+        if shared is not None:
+            return [shared.get(self.destination, self._body_answer)]
         return [self._body_answer(new_body)]
 
     def _body_answer(self, new_body: bytes | None = None) -> pb.ProcessingResponse:
@@ -442,7 +448,7 @@ class Exchange:
         lb = struct_pb2.Struct(fields={DEST_HEADER: struct_pb2.Value(string_value=self.destination)})
         return struct_pb2.Struct(fields={LB_NAMESPACE: struct_pb2.Value(struct_value=lb)})
 
-    def _headers_response(self, body_len: int | None) -> pb.ProcessingResponse:
+    def _headers_response(self, body_len: int | None = None) -> pb.ProcessingResponse:
         common = self._mutation(body_len)
         return pb.ProcessingResponse(
             request_headers=pb.HeadersResponse(response=common), dynamic_metadata=self._metadata()

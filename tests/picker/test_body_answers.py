@@ -77,3 +77,31 @@ def test_the_shared_answers_are_bounded() -> None:
     built = [answers.get(d, pb.ProcessingResponse) for d in ("a:1", "b:1", "c:1", "c:1")]
     assert built[3] is built[2]
     assert len(answers) <= 2
+
+
+async def one_trip_head(svc: ExtProcService, **headers: str) -> pb.ProcessingResponse:
+    """The headers answer of one one-trip request (STREAMED, sent without waiting)."""
+    hs = [base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions")]
+    hs += [base_pb2.HeaderValue(key=k.replace("_", "-"), raw_value=v.encode()) for k, v in headers.items()]
+    first = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs)))
+    first.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.STREAMED
+    first.protocol_config.send_body_without_waiting_for_header_response = True
+
+    async def stream() -> AsyncIterator[pb.ProcessingRequest]:
+        yield first
+        yield pb.ProcessingRequest(request_body=pb.HttpBody(body=BODY, end_of_stream=True))
+
+    out = await svc.answers(stream())
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
+    return out[0]
+
+
+async def test_one_trip_headers_answers_are_shared_the_same_way() -> None:
+    svc = service()
+    first = await one_trip_head(svc, x_request_id="client-1")
+    assert await one_trip_head(svc, x_request_id="client-2") is first
+    assert await one_trip_head(svc) is not first, "a generated x-request-id goes upstream in it"
+    mutation = first.request_headers.response.header_mutation
+    assert {h.header.key for h in mutation.set_headers} == {DEST_HEADER}
+    assert first.request_headers.response.clear_route_cache
+    assert await body_answer(svc, x_request_id="client-3") is not first, "kept apart from body answers"
