@@ -8,6 +8,16 @@ the picker does not depend on):
   publishes them in ``BlockStored.extra_keys`` (the LoRA name on every block, the cache salt on
   block 0 only, in that order; none: no fold). A request computes the same extras from its LoRA
   adapter and salt, so request keys and event keys agree whatever vLLM's hash algorithm is.
+- Both paths go through :func:`chain_keys` (one ``array('I')`` conversion of all the tokens, one
+  xxh64 call per block, the chain carried in the seed): a key depends on every token and every
+  extra up to the end of its block and on nothing after it. Peers exchange keys (picks), so every
+  picker must run this same scheme.
+- Collision resistance: 60 bits of a non-cryptographic hash. Accidental collisions among N keys
+  have probability about N² / 2^61 (1e-7 at a million keys). There is no secret in the chain, so a
+  client can craft a prompt whose keys collide with another prefix's. That only misroutes: a
+  predicted hit that is not one costs a cold prefill, and the speculative entries it leaves
+  mislead others for ``spec_ttl_s``. The engine's own hash decides what is really reused, so no
+  wrong KV is ever served.
 
 State, one writer each:
 
@@ -76,7 +86,7 @@ def chain_keys(
     fold = 0
     for i in range(n):
         e = extras[i] if i < len(extras) else None
-        if e != last:
+        if e is not last and e != last:
             last, fold = e, extra_seed(e)
         seeds.append(fold)
     return [
