@@ -5,8 +5,10 @@ batches, and always before a pick.
 until ``zmq.Again``, at most ``max_per_wake``; past that the rest is taken in later rounds of the
 loop (``call_soon``), so a flood cannot starve the loop. ``take`` handles one message; returning
 False pauses the reading (the socket queues meanwhile, up to its high-water mark) until
-:meth:`Drain.resume`, for a message whose handling must await. Any other operation on the socket
-(connect, disconnect) may swallow an edge of its ``ZMQ_FD``: call :meth:`Drain.drain` after it.
+:meth:`Drain.resume`, for a message whose handling must await; raising drops that message only (logged,
+counted in ``failed``): the reading goes on, and a pick that read it is not failed by it. Any other
+operation on the socket (connect, disconnect) may swallow an edge of its ``ZMQ_FD``: call
+:meth:`Drain.drain` after it.
 
 Who calls :meth:`Drain.drain`:
 
@@ -38,11 +40,13 @@ inbox's selector, timer and counters, written only by its methods. All run on th
 from __future__ import annotations
 
 import asyncio
+import logging
 import selectors
 from collections.abc import Callable
 
 import zmq
 
+log = logging.getLogger(__name__)
 MAX_PER_WAKE = 256
 TRIGGERS = ("pick", "message", "timer")
 INTERVAL_S = 0.05
@@ -68,6 +72,8 @@ class Drain:
         """The last read stopped at ``max_per_wake`` with messages left."""
         self.wakes = 0
         """Reads that found at least one message (a counter for the benchmark)."""
+        self.failed = 0
+        """Messages whose ``take`` raised (logged and dropped)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self.fd = -1
 
@@ -107,7 +113,13 @@ class Drain:
             except zmq.Again:
                 break
             taken += 1
-            if not self.take(frames):
+            try:
+                keep_on = self.take(frames)
+            except Exception:  # a handler's bug: that message is lost, never the reading or a pick
+                self.failed += 1
+                log.exception("a received message could not be handled; dropped")
+                continue
+            if not keep_on:
                 self.paused = True
                 break
         else:

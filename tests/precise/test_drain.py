@@ -94,3 +94,22 @@ async def test_a_flood_is_read_in_slices_and_counted() -> None:
         assert len(got) == 8 and inbox.short == 1, (len(got), inbox.short)
         await asyncio.sleep(0.05)  # the rest in later rounds of the loop
         assert got == [b"%d" % i for i in range(100)]
+
+
+async def test_a_message_whose_handling_raises_is_dropped_alone() -> None:
+    """A handler's bug loses that message, not the ones after it nor the pick that read them."""
+    async with wired(interval_s=30.0) as (pub, inbox, got):
+        (drain,) = inbox._drains
+        take = drain.take
+
+        def fragile(frames: list[bytes]) -> bool:
+            if frames[0] == b"boom":
+                raise KeyError("a bug")
+            return take(frames)
+
+        drain.take = fragile
+        for body in (b"1", b"boom", b"2"):
+            pub.send(body)
+        await asyncio.sleep(0.1)
+        inbox.catch_up()
+        assert got == [b"1", b"2"] and drain.failed == 1
