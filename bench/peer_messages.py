@@ -29,7 +29,8 @@ each repeat.
 ``--split``: where a ``BlockStored`` batch's in-loop cost goes, per block, stage by stage (each the
 fastest of ``--repeats`` passes over the same messages, CPU time): msgpack decoding, the event
 checks, the token ids turned into bytes, the chained hashing, the index inserts; and beside them
-the same blocks' removal, and their speculative entry and expiry (a peer's pick of them).
+the same blocks' removal (one ``BlockRemoved`` event per block, as vLLM sends them), and their
+speculative entry and expiry (a peer's pick of them).
 """
 
 from __future__ import annotations
@@ -190,6 +191,11 @@ def split(n: int, blocks: int, repeats: int) -> list[tuple[str, float]]:
     payloads = [m[2] for m in _messages("kv-event", n, blocks)]
     events = [e for p in payloads for e in decode_batch(p) if isinstance(e, Stored)]
     keys = [chain_keys(e.token_ids, e.block_size) for e in events]
+    removals = [  # as vLLM sends them: one BlockRemoved event per evicted block
+        msgpack.packb([0.0, [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0}
+                             for h in e.block_hashes]])
+        for e in events
+    ]  # fmt: skip
 
     def unpack() -> None:
         for p in payloads:
@@ -215,8 +221,8 @@ def split(n: int, blocks: int, repeats: int) -> list[tuple[str, float]]:
 
     def store_remove() -> None:
         index = store()
-        for e in events:
-            index.removed("e", e.block_hashes)
+        for r in removals:
+            apply(index, "e", decode_batch(r))
 
     def speculate() -> None:
         index = PreciseIndex(spec_ttl_s=1.0)
@@ -241,7 +247,10 @@ def split(n: int, blocks: int, repeats: int) -> list[tuple[str, float]]:
         ),
         ("index inserts (stored() beyond its keys)", (t["store"] - t["keys"]) * per),
         ("whole BlockStored, decoded and applied", whole * per),
-        ("its removal later (BlockRemoved applied)", (t["store+remove"] - t["store"]) * per),
+        (
+            "its removal later: one BlockRemoved per block, as vLLM sends them, decoded and applied",
+            (t["store+remove"] - t["store"]) * per,
+        ),
         ("a peer's pick of it: speculative entry + expiry", t["speculate"] * per),
     ]
 

@@ -88,12 +88,21 @@ def _tag(raw: Any) -> str:
     return tag
 
 
+_GPU = (None, "GPU")
+_GROUP0 = (None, 0)
+
+
 def _indexed(f: dict[str, Any]) -> bool:
-    return f.get("medium") in (None, "GPU") and f.get("group_idx") in (None, 0)
+    return f.get("medium") in _GPU and f.get("group_idx") in _GROUP0
 
 
 def decode_batch(payload: bytes) -> list[Event]:
-    """The GPU-tier events of one ``KVEventBatch`` payload. Raises :class:`BadEvent`."""
+    """The GPU-tier events of one ``KVEventBatch`` payload. Raises :class:`BadEvent`.
+
+    vLLM sends one ``BlockRemoved`` per evicted block, so in a full cache a batch holds as many
+    removals as stored blocks: a run of consecutive removals becomes one :class:`Removed` of all
+    their hashes (the same index change, one call instead of one per block), and a map event,
+    vLLM's form, is read without the helpers' calls."""
     try:
         batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types
@@ -101,9 +110,24 @@ def decode_batch(payload: bytes) -> list[Event]:
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
         raise BadEvent("payload is not a KVEventBatch array [ts, events, ...]")
     out: list[Event] = []
+    run: list[Any] | None = None
+    """The hashes of the last event in ``out`` while it is a :class:`Removed` (extended in place)."""
     for raw in batch[1]:
-        tag = _tag(raw)
-        if tag == "BlockStored":
+        f = raw if type(raw) is dict else None
+        tag = f.get("type") if f is not None else _tag(raw)
+        if tag == "BlockRemoved":
+            if f is None:
+                f = _fields(raw, _REMOVED_FIELDS)
+            hashes = f.get("block_hashes")
+            if type(hashes) is not list:
+                raise BadEvent("BlockRemoved without block_hashes")
+            if f.get("medium") in _GPU and f.get("group_idx") in _GROUP0:
+                if run is not None:
+                    run += hashes
+                else:
+                    out.append(Removed(hashes))
+                    run = hashes
+        elif tag == "BlockStored":
             f = _fields(raw, _STORED_FIELDS)
             hashes, tokens, bs = f.get("block_hashes"), f.get("token_ids"), f.get("block_size")
             if not (isinstance(hashes, list) and isinstance(tokens, list) and isinstance(bs, int) and bs > 0):
@@ -113,15 +137,12 @@ def decode_batch(payload: bytes) -> list[Event]:
             extras = f.get("extra_keys")
             if _indexed(f):
                 out.append(Stored(hashes, f.get("parent_block_hash"), tokens, bs, extras or None))
-        elif tag == "BlockRemoved":
-            f = _fields(raw, _REMOVED_FIELDS)
-            hashes = f.get("block_hashes")
-            if not isinstance(hashes, list):
-                raise BadEvent("BlockRemoved without block_hashes")
-            if _indexed(f):
-                out.append(Removed(hashes))
+                run = None
         elif tag == "AllBlocksCleared":
             out.append(Cleared())
+            run = None
+        elif not isinstance(tag, str):
+            raise BadEvent(f"event has no type tag: {raw!r:.100}")
         # other event types (future vLLM versions) are skipped
     return out
 
