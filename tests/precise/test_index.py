@@ -203,6 +203,37 @@ def test_decoder_reads_vllm_forms_and_skips_other_tiers() -> None:
     assert decode_batch(raw) == [Removed([9])], "CPU-tier stores skipped; array-like structs read"
 
 
+def test_consecutive_removals_become_one_event_and_apply_the_same() -> None:
+    """vLLM sends one BlockRemoved per evicted block: a run of them decodes to one Removed (other
+    tiers' events inside the run do not break it; a store or a clear does), and the index ends
+    the same as applying them one by one."""
+
+    def removed(h: int, medium: str = "GPU") -> dict[str, object]:
+        return {"type": "BlockRemoved", "block_hashes": [h], "medium": medium, "group_idx": 0}
+
+    toks = list(range(4 * BS))
+    stored = {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
+              "token_ids": toks[: 2 * BS], "block_size": BS, "medium": "GPU"}  # fmt: skip
+    events = [removed(1), ["BlockRemoved", [2], "GPU"], removed(3, "CPU"), removed(4), stored,
+              removed(11), {"type": "AllBlocksCleared"}, removed(5)]  # fmt: skip
+    got = decode_batch(msgpack.packb([1.0, events]))
+    assert got == [
+        Removed([1, 2, 4]),
+        Stored([11, 12], None, toks[: 2 * BS], BS, None),
+        Removed([11]),
+        Cleared(),
+        Removed([5]),
+    ]
+    one_by_one, batched = PreciseIndex(), PreciseIndex()
+    hashes = store(one_by_one, "e", toks)
+    store(batched, "e", toks)
+    for h in hashes[1:3]:
+        apply(one_by_one, "e", decode_batch(msgpack.packb([1.0, [removed(h)]])))
+    apply(batched, "e", decode_batch(msgpack.packb([1.0, [removed(h) for h in hashes[1:3]]])))
+    assert batched.holds("e") == one_by_one.holds("e") and len(batched.holds("e")) == 2
+    batched.check()
+
+
 @pytest.mark.parametrize(
     "raw",
     [
@@ -212,6 +243,8 @@ def test_decoder_reads_vllm_forms_and_skips_other_tiers() -> None:
             [1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 16}]]
         ),
         msgpack.packb([1.0, [{"type": "BlockRemoved"}]]),
+        msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [1]}, {"type": "BlockRemoved"}]]),
+        msgpack.packb([1.0, [{"type": 7}]]),
         msgpack.packb([1.0, [42]]),
         msgpack.packb([1.0, [{"no": "type"}]]),
     ],
