@@ -238,8 +238,11 @@ def split(n: int, blocks: int, repeats: int) -> list[tuple[str, float]]:
     whole = _fastest(lambda: [apply(PreciseIndex(), "e", decode_batch(p)) for p in payloads], repeats)
     per = 1e6 / (n * blocks)
     return [
-        ("msgpack decode (token ids become Python ints)", t["unpack"] * per),
-        ("event checks (decode_batch beyond msgpack)", (t["decode"] - t["unpack"]) * per),
+        ("msgpack decode of the batch (token ids become Python ints)", t["unpack"] * per),
+        (
+            "decode_batch beyond that (its checks; since the struct decoder: all of its reading)",
+            (t["decode"] - t["unpack"]) * per,
+        ),
         ("token ids to bytes (one array('I') per batch)", t["bytes"] * per),
         (
             "slices + xxh64, chained through the seed (chain_keys beyond the bytes)",

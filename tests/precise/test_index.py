@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from picker.core.config import PrefixConfig, RouterConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
+from picker.core.prefix import events as events_mod
 from picker.core.prefix.events import BadEvent, Cleared, Removed, State, Stored, Sync, apply, decode_batch
 from picker.core.prefix.precise import PreciseIndex, chain_keys, request_keys
 from picker.core.request import InferenceRequest
@@ -217,6 +218,9 @@ def test_consecutive_removals_become_one_event_and_apply_the_same() -> None:
     events = [removed(1), ["BlockRemoved", [2], "GPU"], removed(3, "CPU"), removed(4), stored,
               removed(11), {"type": "AllBlocksCleared"}, removed(5)]  # fmt: skip
     got = decode_batch(msgpack.packb([1.0, events]))
+    vllm_form = [e for e in events if isinstance(e, dict)]
+    assert events_mod._decode_strict(msgpack.packb([1.0, vllm_form, None])) is not None, "the fast reading"
+    assert events_mod._decode_strict(msgpack.packb([1.0, events])) is None, "array-like: the lenient one"
     assert got == [
         Removed([1, 2, 4]),
         Stored([11, 12], None, toks[: 2 * BS], BS, None),
@@ -232,6 +236,61 @@ def test_consecutive_removals_become_one_event_and_apply_the_same() -> None:
     apply(batched, "e", decode_batch(msgpack.packb([1.0, [removed(h) for h in hashes[1:3]]])))
     assert batched.holds("e") == one_by_one.holds("e") and len(batched.holds("e")) == 2
     batched.check()
+
+
+_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.binary(max_size=4), st.text(max_size=4)
+)
+
+
+@st.composite
+def _wire_event(draw: st.DrawFn) -> object:
+    """vLLM-shaped events, with now and then a field of another type, missing or extra."""
+    n = draw(st.integers(0, 3))
+    bs = draw(st.sampled_from([1, 2, 16]))
+    tag = draw(st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "Other"]))
+    hashes = draw(
+        st.lists(st.one_of(st.integers(0, 2**64 - 1), st.binary(max_size=4)), min_size=n, max_size=n)
+    )
+    ev: dict[str, object] = {"type": tag}
+    if tag == "BlockStored":
+        ev |= {"block_hashes": hashes, "parent_block_hash": draw(st.one_of(st.none(), st.integers(0, 99))),
+               "token_ids": draw(st.lists(st.integers(0, 70000), min_size=n * bs, max_size=n * bs + 1)),
+               "block_size": bs, "lora_id": None, "lora_name": None,
+               "extra_keys": draw(st.one_of(st.none(), st.just([["ad"]] * n)))}  # fmt: skip
+    elif tag == "BlockRemoved":
+        ev["block_hashes"] = hashes
+    if tag != "AllBlocksCleared":
+        ev["medium"] = draw(st.sampled_from(["GPU", "CPU", None]))
+        ev["group_idx"] = draw(st.sampled_from([0, 1, None]))
+    if draw(st.integers(0, 9)) == 0:  # now and then a field of another type, or one more or less
+        key = draw(st.sampled_from([*ev, "extra"]))
+        if draw(st.booleans()) and key in ev:
+            del ev[key]
+        else:
+            ev[key] = draw(_VALUES)
+    return (
+        draw(st.one_of(st.just(ev), st.just([tag, *list(ev.values())[1:]])))
+        if draw(st.integers(0, 9)) == 0
+        else ev
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_wire_event(), max_size=8))
+def test_the_struct_decoder_reads_as_the_lenient_one(events: list[object]) -> None:
+    """A batch read by msgspec's struct decoder (vLLM's exact shape) decodes to what the lenient
+    reading gives, or raises the same way; any other batch is left to the lenient reading."""
+    payload = msgpack.packb([1.0, events])
+    try:
+        want: object = events_mod._decode_lenient(payload)
+    except BadEvent:
+        want = BadEvent
+    try:
+        got: object = events_mod._decode_strict(payload)
+    except BadEvent:
+        got = BadEvent
+    assert got is None or got == want
 
 
 @pytest.mark.parametrize(
