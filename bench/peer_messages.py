@@ -7,6 +7,8 @@ the receiver on its own), and received by the picker's own code in an asyncio lo
 
 - ``kv-event``: a ``BlockStored`` batch of ``--blocks`` blocks of 16 tokens (vLLM's wire format)
   into :class:`~picker.core.prefix.events.Subscriber` and the precise index;
+- ``kv-full``: the same batch from a full cache: it also evicts as many blocks (those stored
+  ``FULL_LAG`` batches before), one ``BlockRemoved`` event each, as vLLM sends them;
 - ``pick``: a peer's pick of as many blocks, with its load report, into
   :class:`~picker.core.peers.Peers`;
 - ``tail``: the same pick when its endpoint holds all but ``TAIL_KEYS`` of the blocks by its KV
@@ -61,7 +63,9 @@ from picker.core.router import Router
 
 BS = 16
 EPS = [Endpoint(f"10.0.0.{i + 1}", 8000) for i in range(4)]
-KINDS = ("kv-event", "pick", "tail", "load")
+KINDS = ("kv-event", "kv-full", "pick", "tail", "load")
+FULL_LAG = 10
+"""``kv-full``: each batch also evicts the blocks stored this many batches before (a full cache)."""
 TAIL_KEYS = 4
 """A ``tail`` pick carries this many of its keys: the rest its endpoint holds by its events (a
 shared-prefix request: 64 blocks of prefix, 4 of question)."""
@@ -72,13 +76,22 @@ def _messages(kind: str, n: int, blocks: int) -> list[list[bytes]]:
     out: list[list[bytes]] = []
     for i in range(n):
         keys = [i * blocks + b + 1 for b in range(blocks)]
-        if kind == "kv-event":
+        if kind in ("kv-event", "kv-full"):
             event = {
                 "type": "BlockStored", "block_hashes": keys, "parent_block_hash": None,
                 "token_ids": [rng.randrange(32000) for _ in range(blocks * BS)], "block_size": BS,
                 "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
             }  # fmt: skip
-            out.append([b"", i.to_bytes(8, "big"), msgpack.packb([time.time(), [event]])])
+            evicted = [
+                {
+                    "type": "BlockRemoved",
+                    "block_hashes": [k - FULL_LAG * blocks],
+                    "medium": "GPU",
+                    "group_idx": 0,
+                }
+                for k in (keys if kind == "kv-full" and i >= FULL_LAG else [])
+            ]  # as vLLM sends them: one event per evicted block
+            out.append([b"", i.to_bytes(8, "big"), msgpack.packb([time.time(), [event, *evicted]])])
         elif kind == "pick":
             report = {EPS[0].key: [1 + i % 3, 1000]}
             body = msgpack.packb(["peer", EPS[i % 4].key, keys, [], report], use_bin_type=True)
@@ -126,7 +139,7 @@ async def _receive(kind: str, url: str, n: int, interval_s: float) -> float:
     inbox = Inbox(interval_s) if interval_s > 0 else None
     if inbox is not None:
         inbox.start()
-    if kind == "kv-event":
+    if kind.startswith("kv-"):
         sub = Subscriber(EPS[0].key, PreciseIndex(), url, ctx=zmq.asyncio.Context(), inbox=inbox)
         count: Callable[[], int] = lambda: sub.sync.expected or 0  # noqa: E731
         task = asyncio.create_task(sub.run())
@@ -151,7 +164,7 @@ async def _receive(kind: str, url: str, n: int, interval_s: float) -> float:
 
 def _in_a_loop(kind: str, n: int, blocks: int) -> float:
     msgs = _messages(kind, n, blocks)
-    if kind == "kv-event":
+    if kind.startswith("kv-"):
         index = PreciseIndex()
         t0 = time.process_time()
         for m in msgs:
