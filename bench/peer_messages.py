@@ -284,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated: 0 = woken per message, T = read through the inbox at most every T s",
     )
     p.add_argument("--split", action="store_true", help="the in-loop cost per block, stage by stage")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     a = p.parse_args(argv)
     if a.split:
         print(f"| stage ({a.blocks} blocks of {BS} tokens per batch) | µs per block |")
@@ -295,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     heads = ["woken per message" if t == 0 else f"inbox {t * 1000:g} ms" for t in intervals]
     print(f"| message ({a.blocks} blocks, {a.burst} at a time) | " + " | ".join(heads) + " | in a loop |")
     print("|---" * (len(intervals) + 2) + "|")
-    for kind in KINDS:
+    kinds = a.kinds.split(",")
+    if not set(kinds) <= set(KINDS):
+        p.error(f"unknown kinds {sorted(set(kinds) - set(KINDS))}")
+    for kind in kinds:
         runs: dict[float, list[float]] = {t: [] for t in intervals}
         for _ in range(a.repeats):
             for t in intervals:
