@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from picker.core.prefix.hashing import MASK60, HashConfig, block_hashes, seed_for
@@ -88,6 +88,46 @@ def test_lru_bound_never_exceeded(capacity: int, segments: int, steps: list[tupl
         for g in lru.gens:
             assert not seen & set(g), "a hash lives in one segment only"
             seen |= set(g)
+
+
+chains = st.lists(st.integers(0, 60), max_size=30)
+between = st.lists(
+    st.one_of(
+        st.tuples(st.just("record"), chains),
+        st.tuples(st.just("discard"), chains),
+        st.tuples(st.just("resize"), st.integers(1, 80)),
+        st.tuples(st.just("match"), chains),
+    ),
+    max_size=3,
+)
+
+
+@settings(max_examples=400)
+@given(st.integers(2, 60), st.integers(2, 5), st.lists(st.tuples(chains, between), max_size=25))
+@example(8, 2, [([1, 2, 3], []), ([1, 2, 3], [("record", [10, 11])])])  # a roll in between
+@example(8, 2, [([1, 2, 3], []), ([1, 2, 3], [("discard", [2])])])
+@example(8, 2, [([1, 2, 3], []), ([1, 2, 3], [("resize", 12)])])
+def test_record_after_match_equals_a_plain_record(
+    capacity: int, segments: int, picks: list[tuple[list[int], list[tuple[str, object]]]]
+) -> None:
+    """A record that skips the blocks its match found in the newest segment leaves the LRU exactly
+    as a record that walks them all: same blocks, same segments, same order, whatever happened
+    between the match and the record (other records, rolls, discards, resizes, other matches)."""
+    capacity = max(capacity, segments)
+    skipping, plain = EndpointLRU(capacity, segments), EndpointLRU(capacity, segments)
+    for hashes, ops_between in picks:
+        assert skipping.match(hashes) == plain.match(list(hashes))
+        for op, arg in ops_between:
+            for lru in (skipping, plain):
+                if op == "resize":
+                    assert isinstance(arg, int)
+                    lru.resize(arg)
+                else:
+                    assert isinstance(arg, list)
+                    getattr(lru, op)(list(arg))  # a different list: never the matched one
+        skipping.record(hashes)
+        plain.record(list(hashes))  # a copy: nothing to skip
+        assert [list(g) for g in skipping.gens] == [list(g) for g in plain.gens]
 
 
 @settings(max_examples=200)

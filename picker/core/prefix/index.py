@@ -20,16 +20,28 @@ length ``k`` means "the first ``k`` blocks were sent to this endpoint".
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import islice
 
 
 class EndpointLRU:
-    __slots__ = ("capacity", "gens", "seg_cap")
+    """One endpoint's segmented LRU (the module docstring).
+
+    ``record`` right after ``match`` of the same hash list (the pick, then its record) skips the
+    blocks ``match`` found leading in the newest segment: refreshing them would change nothing.
+    Every change to the LRU in between (a record, a discard, a resize) drops what ``match`` saw,
+    so the skip applies only where nothing can have taken a block out of the newest segment."""
+
+    __slots__ = ("_fresh", "capacity", "gens", "seg_cap")
 
     def __init__(self, capacity: int, segments: int = 4) -> None:
         assert capacity >= segments >= 2, f"need capacity >= segments >= 2, got {capacity}, {segments}"
         self.capacity = capacity
         self.seg_cap = capacity // segments
         self.gens: list[dict[int, None]] = [{} for _ in range(segments)]
+        self._fresh: tuple[Sequence[int], int] | None = None
+        """``(hashes, n)``: the last ``match`` found ``hashes[:n]`` in the newest segment, and the
+        LRU has not changed since. The list is held (not its id: a freed list's id is reused)
+        until the next match or change here: one list per endpoint at most."""
 
     def __len__(self) -> int:
         return sum(len(g) for g in self.gens)
@@ -45,22 +57,29 @@ class EndpointLRU:
         gens = self.gens
         newest = gens[-1]
         older = gens[-2::-1]
-        n = 0
+        n, fresh = 0, -1
         for h in hashes:
             if h not in newest:
+                if fresh < 0:
+                    fresh = n
                 for g in older:
                     if h in g:
                         break
                 else:
-                    return n
+                    break
             n += 1
+        self._fresh = (hashes, n if fresh < 0 else fresh)
         return n
 
-    def record(self, hashes: Iterable[int]) -> None:
-        """Insert or refresh ``hashes`` as most recently used."""
+    def record(self, hashes: Sequence[int]) -> None:
+        """Insert or refresh ``hashes`` as most recently used. The leading blocks the last
+        ``match`` of this same list found in the newest segment are skipped, if the LRU has not
+        changed since (the class docstring)."""
+        fresh, self._fresh = self._fresh, None
+        skip = fresh[1] if fresh is not None and fresh[0] is hashes else 0
         gens, seg_cap = self.gens, self.seg_cap
         newest, older = gens[-1], gens[-2::-1]  # a refreshed block is likeliest in the newer ones
-        for h in hashes:
+        for h in islice(hashes, skip, None) if skip else hashes:
             if h in newest:
                 continue
             for g in older:
@@ -76,6 +95,7 @@ class EndpointLRU:
 
     def discard(self, hashes: Iterable[int]) -> None:
         """Forget ``hashes`` (a pick credited here that another endpoint served)."""
+        self._fresh = None
         for h in hashes:
             for g in self.gens:
                 if g.pop(h, 0) is None:
@@ -86,6 +106,7 @@ class EndpointLRU:
         of the new size, re-cut oldest first, with an empty newest segment: every old segment then
         holds at most ``seg_cap`` blocks, so later inserts cannot overshoot the bound."""
         segments = len(self.gens)
+        self._fresh = None
         self.capacity = max(capacity, segments)
         self.seg_cap = seg_cap = self.capacity // segments
         kept = [h for g in self.gens for h in g]  # oldest first
