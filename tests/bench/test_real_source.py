@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from bench.fleet import Fleet, FleetConfig
-from bench.real import split_source
+from bench.real import WORKLOADS, split_source, workloads
 from bench.routers import router
 from kvlaunch import PY, Procs, Stack, free_port, post_json, wait_port
 from kvlaunch.procs import ROOT
@@ -64,3 +64,12 @@ def test_a_router_from_another_tree_serves_and_is_that_trees(tmp_path: pathlib.P
             Stack(procs, fleet.ports, root=tree).render_envoy()
     finally:
         procs.stop()
+
+
+def test_scale_multiplies_the_workloads_and_1_keeps_them() -> None:
+    """``--scale``: more groups, sessions and prompts at the same shape; scale 1 is the tables'."""
+    one = {w.name: w for w in workloads(seed=0)}
+    two = {w.name: w for w in workloads(seed=0, scale=2)}
+    assert [len(one[n].requests) for n in WORKLOADS] == [64, 32, 64]
+    assert [len(two[n].requests) for n in WORKLOADS] == [128, 64, 128]
+    assert len({r.group for r in two["shared-prefix"].requests}) == 16, "16 groups of 8"
