@@ -400,7 +400,7 @@ class Peers:
 
     def _next_report_s(self) -> float:
         """Seconds until :meth:`_report_loads` must look again: ``load_interval_s`` while our last
-        report had work in it, else until the next heartbeat (load or scrapes) is due."""
+        report had work in it, else until the next heartbeat (load or scrapes) or expiry is due."""
         last = self._last_report
         if last is None or last[1]:
             return self.load_interval_s
@@ -408,6 +408,10 @@ class Peers:
         due = last[0] + self.load_heartbeat_s - now
         if self.scraper is not None:
             due = min(due, self._shared_at + self.load_heartbeat_s - now)
+        if self._sharers:  # a silent owner is dropped on time, not up to a heartbeat late
+            due = min(due, min(self._sharers.values()) + self.share_ttl_s - now)
+        if self._loads:  # as is a dead peer's load
+            due = min(due, min(t for t, _ in self._loads.values()) + self.load_ttl_s - now)
         return max(self.load_interval_s, due)
 
     async def _discover(self, sub: zmq.Socket[bytes], drain: Drain) -> None:

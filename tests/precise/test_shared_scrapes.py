@@ -116,7 +116,13 @@ def test_scrapes_are_split_and_follow_deaths_of_replicas_and_owners(tmp_path: pa
         assert own < 0.6 * alone, (
             f"{own:.0f} scrapes in {dt:.1f} s by 3 pickers, against {alone:.0f} unshared"
         )
-        assert all(after[p].peer > before[p].peer for p in pickers), "each picker applies its peers' scrapes"
+        # rendezvous over random idents gives one picker all 3 endpoints 1 time in 9: it has no
+        # peer scrapes to apply
+        takers = [p for p in pickers if not all(after[p].owner.values())]
+        assert takers and all(after[p].peer > before[p].peer for p in takers), (
+            "each picker that does not scrape everything applies its peers' scrapes",
+            {p: (after[p].owner, after[p].peer - before[p].peer) for p in pickers},
+        )
 
         def owner_of(key: str) -> int:
             return next(pid for pid, v in views().items() if v.owner.get(key))
