@@ -524,9 +524,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._counted = {k: telemetry.extproc_messages.labels(k) for k in MESSAGE_KINDS} if telemetry else {}
         """Pre-bound counter children: one ``inc`` per message, no label lookup."""
         self.status_linger_s = STATUS_LINGER_S
+        """How long a finished stream waits for Envoy's reset before it ends with a status."""
         self.body_answers = BodyAnswers()
         """Shared by every stream's :class:`Exchange`."""
-        """How long a finished stream waits for Envoy's reset before it ends with a status."""
 
     async def _offload(self, ex: Exchange, msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
         """A body's last chunk is buffered here (its one copy out of the message: the last chunk
