@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kvlaunch import PY, Procs, free_port, http, wait_port
 from picker.core.endpoints.types import EndpointMetrics
-from picker.core.scrape import parse_metrics
+from picker.feeds.scrape import parse_metrics
 
 
 @dataclass

@@ -6,11 +6,11 @@ Each kind is sent from another process over real ZMQ on loopback, one message ev
 the receiver on its own), and received by the picker's own code in an asyncio loop:
 
 - ``kv-event``: a ``BlockStored`` batch of ``--blocks`` blocks of 16 tokens (vLLM's wire format)
-  into :class:`~picker.core.prefix.events.Subscriber` and the precise index;
+  into :class:`~picker.feeds.events.Subscriber` and the precise index;
 - ``kv-full``: the same batch from a full cache: it also evicts as many blocks (those stored
   ``FULL_LAG`` batches before), one ``BlockRemoved`` event each, as vLLM sends them;
 - ``pick``: a peer's pick of as many blocks, with its load report, into
-  :class:`~picker.core.peers.Peers`;
+  :class:`~picker.feeds.peers.Peers`;
 - ``tail``: the same pick when its endpoint holds all but ``TAIL_KEYS`` of the blocks by its KV
   events (only the rest is sent);
 - ``load``: a peer's load report over 4 endpoints.
@@ -22,8 +22,8 @@ ZMQ's I/O thread, caches gone cold in between). ``--burst K`` sends K messages b
 ``--gap-ms`` (as a busy replica's steps and several peers' picks pile up between two wake-ups).
 
 ``--intervals``: how the receiver reads its socket, side by side in one run: ``0`` woken for every
-message (a :class:`~picker.core.drain.Drain` on the loop, the code before the inbox); ``T`` (seconds)
-through the picker's :class:`~picker.core.drain.Inbox`, which reads at most every T (no pick happens
+message (a :class:`~picker.feeds.drain.Drain` on the loop, the code before the inbox); ``T`` (seconds)
+through the picker's :class:`~picker.feeds.drain.Inbox`, which reads at most every T (no pick happens
 here, so this is what a picker that does not route pays; one that routes also reads before each
 pick, for free). Medians over ``--repeats`` runs with [min-max], the intervals interleaved within
 each repeat.
@@ -53,13 +53,13 @@ import zmq.asyncio
 
 from kvlaunch import free_port
 from picker.core.config import PrefixConfig, RouterConfig
-from picker.core.drain import Inbox
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
-from picker.core.peers import Peers
-from picker.core.prefix.events import State, Stored, Subscriber, Sync, apply, decode_batch
 from picker.core.prefix.precise import PreciseIndex, chain_keys
 from picker.core.router import Router
+from picker.feeds.drain import Inbox
+from picker.feeds.events import State, Stored, Subscriber, Sync, apply, decode_batch
+from picker.feeds.peers import Peers
 
 BS = 16
 EPS = [Endpoint(f"10.0.0.{i + 1}", 8000) for i in range(4)]

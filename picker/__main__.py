@@ -18,9 +18,9 @@ from typing import Any
 import yaml
 
 from picker.core import config as config_mod
-from picker.core.drain import INTERVAL_S
-from picker.core.endpoints.static import FileProvider, StaticProvider, parse_list
 from picker.core.endpoints.types import EndpointProvider
+from picker.feeds.discovery.static import FileProvider, StaticProvider, parse_list
+from picker.feeds.drain import INTERVAL_S
 from picker.serving import gie_flags, workers
 from picker.serving.extproc import BUFFERED, FULL_DUPLEX, RESPONSE_HEADERS
 from picker.serving.server import PickerServer, ServerOptions
@@ -331,7 +331,7 @@ def build_provider(args: argparse.Namespace) -> EndpointProvider:
     if args.endpoints_file:
         return FileProvider(args.endpoints_file)
     if args.pool_name or args.endpoint_selector:
-        from picker.core.endpoints.kube import KubeProvider  # imported lazily: only cluster mode needs it
+        from picker.feeds.discovery.kube import KubeProvider  # imported lazily: only cluster mode needs it
 
         provider: EndpointProvider = KubeProvider.from_flags(
             pool_name=args.pool_name,

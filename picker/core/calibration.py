@@ -8,7 +8,7 @@ Per endpoint the model says (:class:`~picker.core.endpoints.types.EndpointModel`
 - ``uncached_per_request``: the uncached prompt tokens of a typical request, to turn the waiting
   queue gauge into seconds: ``waiting * uncached_per_request / prefill_rate``.
 
-**Inputs** (vLLM 0.32 names; :mod:`picker.core.scrape` parses them): between two scrapes of one
+**Inputs** (vLLM 0.32 names; :mod:`picker.feeds.scrape` parses them): between two scrapes of one
 endpoint, with ``d`` the change of a cumulative counter,
 
 - prefill: ``d vllm:request_prefill_kv_computed_tokens_sum`` uncached tokens took

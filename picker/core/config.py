@@ -121,7 +121,7 @@ class PrefixConfig:
     ceiling, TTFT p50 / p90 about equal, p99 +5% (README). 1.0: as in approximate mode."""
     remote_tokenize: bool = True
     """Without ``tokenizer``, ask a ready replica's vLLM ``/tokenize`` for the prompt's ids
-    (``picker.core.tokenize.remote``); false: such text prompts are matched approximately."""
+    (``picker.feeds.remote_tokenizer``); false: such text prompts are matched approximately."""
     remote_tokenize_timeout_s: float = 0.5
     remote_tokenize_cache_entries: int = 256
 

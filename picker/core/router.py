@@ -28,7 +28,6 @@ from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import EndpointState
 from picker.core.errors import NoEndpoints
 from picker.core.objectives import Objectives
-from picker.core.prefix.events import State, Sync
 from picker.core.prefix.hashing import seed_for
 from picker.core.prefix.index import PrefixIndex
 from picker.core.prefix.memo import HashMemo
@@ -39,7 +38,8 @@ from picker.core.scheduling.profile import PluginTimer, Profile, Result
 from picker.core.scheduling.types import Cycle
 from picker.core.tokenize import PromptTokenizer
 from picker.core.tokenize import load as load_tokenizer
-from picker.core.tokenize.remote import RemoteTokenizer
+from picker.feeds.events import State, Sync
+from picker.feeds.remote_tokenizer import RemoteTokenizer
 
 
 @dataclass(slots=True)
@@ -107,9 +107,9 @@ class Router:
         self.remote_tokenizer: RemoteTokenizer | None = None
         """vLLM's ``/tokenize``, in precise and auto modes when no ``tokenizer`` is configured."""
         self.on_pick: Callable[[str, list[int] | None, list[int]], None] | None = None
-        """Told of every pick (endpoint, KV-block keys, text-block hashes): ``picker.core.peers``."""
+        """Told of every pick (endpoint, KV-block keys, text-block hashes): ``picker.feeds.peers``."""
         self.catch_up: Callable[[], None] | None = None
-        """Called first in every :meth:`route` (:meth:`picker.core.drain.Inbox.catch_up`): the KV
+        """Called first in every :meth:`route` (:meth:`picker.feeds.drain.Inbox.catch_up`): the KV
         events and peer messages (picks, loads, scrape outcomes) that reached the picker before a
         pick are applied before its candidates are chosen and scored."""
         if pcfg.mode != "approximate":

@@ -27,14 +27,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from picker._proto.kvpick.v1 import explain_pb2_grpc
 from picker.core.config import RouterConfig
-from picker.core.drain import INTERVAL_S, Inbox
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import EndpointProvider, EndpointState, Health
 from picker.core.objectives import ObjectiveSource
-from picker.core.peers import Peers
-from picker.core.prefix.subscribers import Subscribers
 from picker.core.router import Router
-from picker.core.scrape import Scraper
+from picker.feeds.drain import INTERVAL_S, Inbox
+from picker.feeds.peers import Peers
+from picker.feeds.scrape import Scraper
+from picker.feeds.subscribers import Subscribers
 from picker.serving.explain import ExplainService
 from picker.serving.extproc import FULL_DUPLEX, ExtProcService
 from picker.serving.http import debug_app, metrics_app
@@ -90,7 +90,7 @@ class ServerOptions:
     """``host:port`` naming every picker replica (a headless Service), re-resolved for peers."""
     message_interval_s: float = INTERVAL_S
     """KV events and peer messages are read before each pick and otherwise at most this often
-    (:class:`~picker.core.drain.Inbox`): an upper bound on how late a non-routing picker sees a
+    (:class:`~picker.feeds.drain.Inbox`): an upper bound on how late a non-routing picker sees a
     peer's scrape outcome or heartbeat."""
 
 

@@ -24,7 +24,7 @@ count as "other" (client-chosen names must not grow the registry without bound).
 
 
 class InboxCounts(Protocol):
-    """What the telemetry mirrors of the message inbox (:class:`picker.core.drain.Inbox`)."""
+    """What the telemetry mirrors of the message inbox (:class:`picker.feeds.drain.Inbox`)."""
 
     reads: dict[str, int]
     messages: int
@@ -32,7 +32,7 @@ class InboxCounts(Protocol):
 
 
 class ScrapeCounts(Protocol):
-    """What the telemetry mirrors of the scraper (:class:`picker.core.scrape.Scraper`)."""
+    """What the telemetry mirrors of the scraper (:class:`picker.feeds.scrape.Scraper`)."""
 
     own_scrapes: int
     peer_outcomes: int

@@ -3,7 +3,7 @@
 The process started by the user is worker 0; it starts workers 1..N-1 as child processes with the
 same arguments. Every worker binds the gRPC, health, metrics (and debug) ports with SO_REUSEPORT,
 so the kernel spreads Envoy's connections over them, and each runs the whole picker: discovery,
-scraping, KV-event subscribers. They agree through the peer channel (:mod:`picker.core.peers`): worker
+scraping, KV-event subscribers. They agree through the peer channel (:mod:`picker.feeds.peers`): worker
 ``i`` publishes its picks and in-flight load on ``ipc://<dir>/peer-<i>`` and subscribes to every
 other worker's (plus any ``--peers`` given). A worker whose parent dies exits (it polls its
 parent id), and worker 0 stops the others when it stops.

@@ -18,7 +18,7 @@ instead, as a config that streams response bodies through ext_proc would.
 ``--prefix-mode precise`` (or ``auto``) feeds the picker's precise index from the engines' own KV
 events, delivered ``--event-delay-s`` after the engine step that produced them. They travel the
 real path: vLLM's wire encoding (``replica.sim.kv_events``), msgpack, the picker's decoder
-(``picker.core.prefix.events``). Requests then carry their token ids, as a tokenizing picker sees them.
+(``picker.feeds.events``). Requests then carry their token ids, as a tokenizing picker sees them.
 
 Next to the measured hit rate it reports the two ceilings of DESIGN §6, on the same token blocks
 the engines cache (``replica.sim.ceilings``, over the requests sent, in send order): the infinite
@@ -47,9 +47,9 @@ from picker.core.config import RouterConfig, load_file
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint, EndpointMetrics, Health
 from picker.core.errors import PickerError
-from picker.core.prefix import events as kv_events_in
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
+from picker.feeds import events as kv_events_in
 
 from . import ceilings, kv_events, trace
 from .blocks import Event

@@ -23,7 +23,7 @@ import time
 import urllib.request
 
 from kvlaunch import PY, ROOT, Procs, Stack, wait_port
-from picker.core.scrape import parse_metrics
+from picker.feeds.scrape import parse_metrics
 
 from .__main__ import parser as sim_parser
 from .costmodel import profile

@@ -24,7 +24,7 @@ import yaml
 
 from picker.__main__ import build_parser
 from picker.core import config as picker_config
-from picker.core.endpoints.kube import KubeProvider
+from picker.feeds.discovery.kube import KubeProvider
 from replica.sim.__main__ import parser as sim_parser
 from replica.vllm import launcher
 

@@ -14,9 +14,9 @@ import pytest
 from kubernetes import client as k8s
 
 from kvlaunch.fakekube import OBJECTIVES, PODS, POOLS, FakeKube, objective, pod, pool
-from picker.core.endpoints.kube import KubeProvider, PodView, PoolSpec, WatchConfig, parse_ports
 from picker.core.endpoints.types import Endpoint
 from picker.core.objectives import Objectives
+from picker.feeds.discovery.kube import KubeProvider, PodView, PoolSpec, WatchConfig, parse_ports
 
 pytestmark = pytest.mark.kube
 NS = "serving"
@@ -165,7 +165,7 @@ async def test_410_at_connect_relists(fake: FakeKube) -> None:
 async def test_dropped_connection_backs_off_and_resumes(
     fake: FakeKube, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="picker.core.endpoints.kube")
+    caplog.set_level(logging.WARNING, logger="picker.feeds.discovery.kube")
     seed(fake)
     prov = provider(fake, selector="app=vllm", target_ports=[8000])
     async with running(prov) as sink:
@@ -332,7 +332,7 @@ async def test_no_objective_crd_falls_back_to_config(caplog: pytest.LogCaptureFi
         store = Objectives({"batch": -1})
         prov = provider(fake, pool_name="llm")
         prov.attach_objectives(store)
-        with caplog.at_level(logging.INFO, logger="picker.core.endpoints.kube"):
+        with caplog.at_level(logging.INFO, logger="picker.feeds.discovery.kube"):
             async with running(prov) as sink:
                 await eventually(
                     lambda: sink.keys == {"10.0.0.1:8000"} and prov.objective_crd is False, "sync"

@@ -1,5 +1,5 @@
-"""``picker.core.drain.Inbox`` on real ZMQ sockets over loopback TCP: not woken per message, every
-message queued before :meth:`~picker.core.drain.Inbox.catch_up` taken by it, the timer's bound
+"""``picker.feeds.drain.Inbox`` on real ZMQ sockets over loopback TCP: not woken per message, every
+message queued before :meth:`~picker.feeds.drain.Inbox.catch_up` taken by it, the timer's bound
 when nothing picks, an idle inbox never woken, and a flood still read in slices."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from kvlaunch import free_port
-from picker.core.drain import Drain, Inbox
+from picker.feeds.drain import Drain, Inbox
 
 pytestmark = pytest.mark.precise
 

@@ -1,4 +1,4 @@
-"""Picker replicas sharing their picks over ZMQ (``picker.core.peers``): two in-process routers, real
+"""Picker replicas sharing their picks over ZMQ (``picker.feeds.peers``): two in-process routers, real
 sockets on loopback."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from kvlaunch import free_port
 from picker.core.config import PrefixConfig, RouterConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
-from picker.core.peers import Peers, resolve, zmq_address
-from picker.core.prefix.events import State, Sync
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
+from picker.feeds.events import State, Sync
+from picker.feeds.peers import Peers, resolve, zmq_address
 
 pytestmark = pytest.mark.precise
 EPS = [Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000), Endpoint("10.0.0.3", 8000)]
@@ -237,7 +237,7 @@ async def test_scrape_batches_are_checked_and_unseen_by_older_pickers() -> None:
     (subscribed to ``pick`` and ``load`` only) is never sent one; a peer that shares scrapes
     becomes an owner of some endpoints, and a peer that does not never does."""
     from picker.core.config import ScrapeConfig
-    from picker.core.scrape import Outcome, Scraper, metrics_to_wire, parse_metrics
+    from picker.feeds.scrape import Outcome, Scraper, metrics_to_wire, parse_metrics
 
     async with pair("precise") as (_, b, peer_a, peer_b):
         scraper = Scraper(b.pool, ScrapeConfig())

@@ -1,5 +1,5 @@
 """A pick sees every KV event and peer message that reached the picker before it
-(``picker.core.drain``'s invariant), through real processes: two simulator replicas publishing KV
+(``picker.feeds.drain``'s invariant), through real processes: two simulator replicas publishing KV
 events, one picker behind a real Envoy, and this test posing as a peer picker on a ZMQ PUB socket.
 
 The picker runs with ``--message-interval 30``: its inbox's timer does not fire during the test,

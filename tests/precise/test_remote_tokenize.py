@@ -1,4 +1,4 @@
-"""vLLM's ``/tokenize`` as the precise mode's tokenizer of last resort (``picker.core.tokenize.remote``),
+"""vLLM's ``/tokenize`` as the precise mode's tokenizer of last resort (``picker.feeds.remote_tokenizer``),
 against the simulator's ``/tokenize`` (vLLM's request and answer shapes; the simulator's own
 tokenizer): the ids equal those the replica serves the request with, repeats are cached, and a
 slow, failing or unusable answer gives None (approximate matching), never an error. Then the
@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from kvlaunch import Procs, Stack, free_port, http
-from picker.core.tokenize.remote import RemoteTokenizer, tokenize_body
+from picker.feeds.remote_tokenizer import RemoteTokenizer, tokenize_body
 from replica.sim import tokenizer as sim_tokenizer
 from tests.precise.test_picker_precise import HOSTS, MODEL, debug, start_sim, wait_for
 

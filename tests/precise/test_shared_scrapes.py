@@ -1,4 +1,4 @@
-"""Picker replicas sharing the scrapes of the replicas' ``/metrics`` (``picker.core.peers``), as real
+"""Picker replicas sharing the scrapes of the replicas' ``/metrics`` (``picker.feeds.peers``), as real
 processes: three pickers (``--peer-bind`` / ``--peers``) in front of three simulator replicas. Each
 picker's view is read from its own ``/metrics``: ``inference_pool_ready_pods`` (its routable
 endpoints) and ``kvpick_scrape_owner`` (which endpoints it scrapes for the others).

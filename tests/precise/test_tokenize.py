@@ -169,9 +169,9 @@ async def test_ext_proc_tokenizes_short_bodies_on_the_loop(
     from picker.core.config import PrefixConfig, RouterConfig
     from picker.core.endpoints.pool import Pool
     from picker.core.endpoints.types import Endpoint
-    from picker.core.prefix.events import State, Sync
     from picker.core.prefix.precise import request_keys
     from picker.core.router import Router
+    from picker.feeds.events import State, Sync
     from picker.serving.extproc import ExtProcService
 
     pool = Pool()

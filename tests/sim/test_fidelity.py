@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvlaunch import PY, Procs, free_port, http, post_json, wait_port
 from picker.core.endpoints.types import EndpointMetrics
-from picker.core.scrape import parse_metrics
+from picker.feeds.scrape import parse_metrics
 from replica.sim.costmodel import profile
 from tests.support.vllm import tiny_model, vllm_server
 

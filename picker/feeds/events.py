@@ -35,8 +35,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from picker.core.drain import Drain, Inbox
 from picker.core.prefix.precise import PreciseIndex
+from picker.feeds.drain import Drain, Inbox
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +390,7 @@ class Subscriber:
             sock.close(linger=0)
 
     def _take_frames(self, frames: list[bytes]) -> bool:
-        """One received message (:class:`~picker.core.drain.Drain`'s ``take``): False pauses the
+        """One received message (:class:`~picker.feeds.drain.Drain`'s ``take``): False pauses the
         reading while a gap is replayed."""
         if len(frames) != 3 or len(frames[1]) != 8:
             self.sync.bad += 1
@@ -409,7 +409,7 @@ class Subscriber:
 
     async def run(self) -> None:
         """Consume the stream until cancelled: every batch queued when the socket is read, in one
-        callback (:class:`~picker.core.drain.Drain`: with an inbox, before each pick and every
+        callback (:class:`~picker.feeds.drain.Drain`: with an inbox, before each pick and every
         ``interval_s``); the reading pauses while a gap is replayed."""
         sock: zmq.Socket[bytes] = zmq.Socket(self.ctx, zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)

@@ -202,7 +202,7 @@ class Outcome:
 class ScrapeShare(Protocol):
     """Splits the scraping among picker replicas: each endpoint is scraped by one of them (its
     owner), which shares every :class:`Outcome`; the others apply it as if they had scraped.
-    :class:`picker.core.peers.Peers` implements it over the peer channel."""
+    :class:`picker.feeds.peers.Peers` implements it over the peer channel."""
 
     def owns(self, key: str) -> bool:
         """Whether this picker scrapes ``key`` (True for every key when it is alone)."""

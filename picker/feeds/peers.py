@@ -39,7 +39,7 @@ one: it misses the picks that skip keys, as it would have missed a newer format 
 addresses only, so a pod that can reach our port cannot inject picks: it would have to be a peer.
 Sending never blocks (PUB drops at its high-water mark).
 
-They also share the scraping of the replicas' ``/metrics`` (:class:`~picker.core.scrape.ScrapeShare`):
+They also share the scraping of the replicas' ``/metrics`` (:class:`~picker.feeds.scrape.ScrapeShare`):
 each endpoint is scraped by one picker, its owner by rendezvous hashing (the highest
 ``xxh64(ident|endpoint)``) over this picker and the peers heard sharing scrapes in the last
 ``share_ttl_s`` (1 s), and the owner sends every outcome (the metrics the router reads, or the
@@ -49,7 +49,7 @@ silent for ``share_ttl_s`` is dropped, and the endpoints it owned are scraped at
 next owners. Alone, a picker owns every endpoint and scrapes as without peers.
 
 Wire, scrapes: ``[b"scrape", msgpack([sender id, [[endpoint key, age s, reason, metrics], ...]])]``,
-``metrics`` being :func:`~picker.core.scrape.metrics_to_wire`'s list (``None`` for a failed scrape,
+``metrics`` being :func:`~picker.feeds.scrape.metrics_to_wire`'s list (``None`` for a failed scrape,
 ``reason`` then naming the failure; ``""`` otherwise) and ``age`` the seconds between the scrape and
 the send (the receiver dates it by its own clock). Mixed versions: a picker older than this
 subscribes to ``pick`` and ``load`` only, so the publisher filters ``scrape`` out before sending it
@@ -59,7 +59,7 @@ A peer's outcome can take an endpoint out of routing: peers are trusted as for p
 configured addresses are subscribed to).
 
 Receiving: every message queued when the socket is read is taken in one event-loop callback
-(:class:`~picker.core.drain.Drain`), not a task step each; with an inbox (the picker's), the socket
+(:class:`~picker.feeds.drain.Drain`), not a task step each; with an inbox (the picker's), the socket
 is read before each pick and otherwise at most every ``interval_s``, not woken per message.
 
 Discovery: the static ``peers`` addresses, plus, with ``peer_dns`` (``host:port``, e.g. a headless
@@ -73,7 +73,7 @@ State: ``bad`` / ``received`` / ``picks`` / ``own`` / ``skipped`` counters, ``_l
 ``peer_dns``), written by :meth:`run` and its tasks only; ``_pending`` (our outcomes not sent yet),
 written by :meth:`share` and emptied by :meth:`flush_scrapes`; the ``peer_load`` of the pool's
 endpoint states, written only here. Peers' scrape outcomes are handed to the
-:class:`~picker.core.scrape.Scraper`, the one writer of the endpoints' metrics and health.
+:class:`~picker.feeds.scrape.Scraper`, the one writer of the endpoints' metrics and health.
 """
 
 from __future__ import annotations
@@ -91,9 +91,9 @@ import msgpack
 import xxhash
 import zmq
 
-from picker.core.drain import Drain, Inbox
 from picker.core.router import Router
-from picker.core.scrape import Outcome, Scraper, metrics_from_wire, metrics_to_wire
+from picker.feeds.drain import Drain, Inbox
+from picker.feeds.scrape import Outcome, Scraper, metrics_from_wire, metrics_to_wire
 
 log = logging.getLogger(__name__)
 TOPIC = b"pick"
@@ -452,7 +452,7 @@ class Peers:
 
     async def run(self) -> None:
         """Receive from the peers (every message queued at a wake-up in one callback:
-        :class:`~picker.core.drain.Drain`) and send our load reports, until cancelled."""
+        :class:`~picker.feeds.drain.Drain`) and send our load reports, until cancelled."""
         sub: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)

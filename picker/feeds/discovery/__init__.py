@@ -1,0 +1,1 @@
+"""Endpoint discovery: a static list or file, or Kubernetes pods selected by an InferencePool."""
