@@ -58,7 +58,13 @@ def service() -> ExtProcService:
     pool.set_endpoints([Endpoint("127.0.0.1", 18001), Endpoint("127.0.0.1", 18002)])
     telemetry = Telemetry()
     router = Router(RouterConfig(), pool, plugin_timer=telemetry.plugin_timer)
-    return ExtProcService(router, telemetry, BUFFERED, None, "when-needed", max_streams=4096)
+    try:  # trees since the director (picker/serving/director.py)
+        from picker.serving.director import Director
+        from picker.serving.tokenization import Tokenization
+    except ImportError:  # an older tree, run side by side: its own constructor
+        return ExtProcService(router, telemetry, BUFFERED, None, "when-needed", max_streams=4096)  # type: ignore[call-arg, arg-type, misc, unused-ignore]
+    director = Director(router, Tokenization(router), telemetry, None)
+    return ExtProcService(director, BUFFERED, "when-needed", max_streams=4096)
 
 
 async def requests(svc: ExtProcService, messages: list[bytes], n: int) -> None:

@@ -55,10 +55,10 @@ from kvlaunch import free_port
 from picker.core.config import PrefixConfig, RouterConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
-from picker.core.prefix.precise import PreciseIndex, chain_keys
+from picker.core.prefix.precise import PreciseIndex, State, Sync, chain_keys
 from picker.core.router import Router
 from picker.feeds.drain import Inbox
-from picker.feeds.events import State, Stored, Subscriber, Sync, apply, decode_batch
+from picker.feeds.events import Stored, Subscriber, apply, decode_batch
 from picker.feeds.peers import Peers
 
 BS = 16

@@ -31,10 +31,9 @@ from dataclasses import asdict, dataclass
 from picker.core.config import PrefixConfig, RouterConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
-from picker.core.prefix.precise import PreciseIndex, request_keys
+from picker.core.prefix.precise import PreciseIndex, State, Sync, request_keys
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
-from picker.feeds.events import State, Sync
 
 BS = 16
 ENDPOINTS = 96

@@ -105,6 +105,8 @@ class PrefixConfig:
     max_blocks_per_endpoint: int = 1_000_000
     """Bound on indexed blocks per endpoint (about 150 B each); past it the endpoint is dropped."""
     tokenizer: str = ""
+    """The model's tokenizer for precise matching: a directory holding ``tokenizer.json`` and
+    ``tokenizer_config.json``, or a ``tokenizer.json`` path ("": none)."""
     tokenizer_cache_entries: int = 64
     """Texts whose tokenization is kept for reuse by requests sharing their prefix (0: off; off
     for a tokenizer that does not split words at whitespace, see ``picker.core.tokenize.cache``)."""
@@ -123,7 +125,15 @@ class PrefixConfig:
     """Without ``tokenizer``, ask a ready replica's vLLM ``/tokenize`` for the prompt's ids
     (``picker.feeds.remote_tokenizer``); false: such text prompts are matched approximately."""
     remote_tokenize_timeout_s: float = 0.5
+    """Seconds one ``/tokenize`` call may take; past it the request is matched approximately."""
     remote_tokenize_cache_entries: int = 256
+    """``/tokenize`` answers kept, keyed by the tokenize body (0: none)."""
+
+    @property
+    def tokenizes(self) -> bool:
+        """Whether prompts are tokenized for precise matching: a precise mode with a local
+        ``tokenizer`` or the remote ``/tokenize`` fallback (:mod:`picker.serving.tokenization`)."""
+        return self.mode != "approximate" and bool(self.tokenizer or self.remote_tokenize)
 
     def __post_init__(self) -> None:
         if self.mode not in PREFIX_MODES:

@@ -11,15 +11,20 @@ The ext_proc server and the simulator's cluster mode both drive a :class:`Router
 
 Invariant: every ``start`` is matched by exactly one effective ``finish`` (later calls are
 no-ops), so in-flight counters return to zero when traffic stops.
+
+Pure decision logic: no sockets, threads or network libraries are imported here (a test holds
+it). What feeds it from outside (``picker.feeds``) writes its state only through its methods:
+:meth:`on_scrape` / :meth:`on_unreachable` (the scraper), :meth:`record_remote_pick` (the peer
+channel), and the precise index and :attr:`syncs` (the KV-event subscribers). Tokenization is the
+serving layer's (:mod:`picker.serving.tokenization`); the router reads a request's token ids.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from picker.core.accounting import Accounting, Ticket
 from picker.core.calibration import Calibrator
@@ -31,15 +36,11 @@ from picker.core.objectives import Objectives
 from picker.core.prefix.hashing import seed_for
 from picker.core.prefix.index import PrefixIndex
 from picker.core.prefix.memo import HashMemo
-from picker.core.prefix.precise import PreciseIndex, request_keys
+from picker.core.prefix.precise import PreciseIndex, State, Sync, request_keys
 from picker.core.request import InferenceRequest, ParseOptions
 from picker.core.scheduling.cost import CostScorer
 from picker.core.scheduling.profile import PluginTimer, Profile, Result
 from picker.core.scheduling.types import Cycle
-from picker.core.tokenize import PromptTokenizer
-from picker.core.tokenize import load as load_tokenizer
-from picker.feeds.events import State, Sync
-from picker.feeds.remote_tokenizer import RemoteTokenizer
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class Router:
         pool: Pool,
         clock: Callable[[], float] = time.monotonic,
         plugin_timer: PluginTimer | None = None,
+        catch_up: Callable[[], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.pool = pool
@@ -103,28 +105,17 @@ class Router:
         """Fed by the KV-event subscribers (or cluster mode); None in approximate mode."""
         self.syncs: dict[str, Sync] = {}
         """Endpoint key → its event stream's state. Writer: whoever feeds ``precise``."""
-        self.tokenizer: PromptTokenizer | None = None
-        self.remote_tokenizer: RemoteTokenizer | None = None
-        """vLLM's ``/tokenize``, in precise and auto modes when no ``tokenizer`` is configured."""
-        self.on_pick: Callable[[str, list[int] | None, list[int]], None] | None = None
-        """Told of every pick (endpoint, KV-block keys, text-block hashes): ``picker.feeds.peers``."""
-        self.catch_up: Callable[[], None] | None = None
+        self._pick_listeners: list[Callable[[str, list[int] | None, list[int]], None]] = []
+        """Told of every pick (endpoint, KV-block keys, text-block hashes), after its accounting:
+        the peer channel (:meth:`add_pick_listener`). Writer: :meth:`add_pick_listener`."""
+        self.catch_up = catch_up
         """Called first in every :meth:`route` (:meth:`picker.feeds.drain.Inbox.catch_up`): the KV
         events and peer messages (picks, loads, scrape outcomes) that reached the picker before a
-        pick are applied before its candidates are chosen and scored."""
+        pick are applied before its candidates are chosen and scored. None: nothing to catch up."""
         if pcfg.mode != "approximate":
             self.precise = PreciseIndex(pcfg.max_blocks_per_endpoint, pcfg.speculative_ttl_s)
             pool.on_remove(lambda s: self._forget_precise(s.key))
-            if pcfg.tokenizer:
-                try:
-                    self.tokenizer = load_tokenizer(pcfg.tokenizer, pcfg.tokenizer_cache_entries)
-                except Exception as exc:  # tokenizers raises its own Exception types
-                    raise ValueError(f"prefix.tokenizer {pcfg.tokenizer!r}: {exc}") from exc
-            elif pcfg.remote_tokenize:
-                self.remote_tokenizer = RemoteTokenizer(
-                    pcfg.remote_tokenize_timeout_s, pcfg.remote_tokenize_cache_entries
-                )
-        if self.tokenizer is not None or self.remote_tokenizer is not None:
+        if pcfg.tokenizes:
             self.parse_options = dataclasses.replace(self.parse_options, keep_doc=True)
         pool.on_remove(lambda s: self.index.remove(s.key))
         pool.on_remove(self.calibrator.forget)
@@ -133,38 +124,6 @@ class Router:
         assert self.precise is not None, "precise state without a precise index"
         self.precise.remove(key)
         self.syncs.pop(key, None)
-
-    def tokenize(self, req: InferenceRequest, doc: dict[str, Any], path: str) -> InferenceRequest:
-        """``req`` with the prompt token ids the replica will compute, when precise matching is on
-        and the picker has the model's tokenizer (else ``req`` unchanged: approximate matching)."""
-        if self.tokenizer is None or req.prompt_token_ids is not None or not doc:
-            return req
-        ids = self.tokenizer.encode(doc, path)
-        return req if ids is None else dataclasses.replace(req, prompt_token_ids=ids)
-
-    def tokenize_now(self, req: InferenceRequest, doc: dict[str, Any], path: str) -> InferenceRequest | None:
-        """:meth:`tokenize` without waiting: None when another thread is tokenizing (the caller,
-        the event loop, then hands it to a thread)."""
-        if self.tokenizer is None or req.prompt_token_ids is not None or not doc:
-            return req
-        done, ids = self.tokenizer.try_encode(doc, path)
-        if not done:
-            return None
-        return req if ids is None else dataclasses.replace(req, prompt_token_ids=ids)
-
-    async def tokenize_remote(
-        self, req: InferenceRequest, doc: dict[str, Any], path: str, subset: Collection[str] | None = None
-    ) -> InferenceRequest:
-        """``req`` with its prompt's ids from a ready replica's ``/tokenize`` (one in ``subset``),
-        when the remote tokenizer is on and the ids are not known yet (else ``req`` unchanged)."""
-        if self.remote_tokenizer is None or req.prompt_token_ids is not None or not doc:
-            return req
-        try:
-            endpoint = self.any_ready(subset).key
-        except NoEndpoints:  # none ready: the pick says so
-            return req
-        ids = await self.remote_tokenizer.encode(req.model, doc, path, endpoint)
-        return req if ids is None else dataclasses.replace(req, prompt_token_ids=ids)
 
     def is_precise(self, key: str) -> bool:
         """Whether ``key``'s prefix matches come from its KV events (else from our own record)."""
@@ -294,9 +253,29 @@ class Router:
         ticket = self.accounting.start(
             state, cyc.prompt_tokens, uncached, cyc.matches.get(state.key, 0), cyc, decision.hashes
         )
-        if self.on_pick is not None:  # after accounting: the peers hear our load with this request in it
-            self.on_pick(state.key, decision.keys, decision.hashes)
+        for listener in self._pick_listeners:  # after accounting: the peers hear our load with it in
+            listener(state.key, decision.keys, decision.hashes)
         return ticket
+
+    def add_pick_listener(self, listener: Callable[[str, list[int] | None, list[int]], None]) -> None:
+        """Tell ``listener`` of every later pick (endpoint key, KV-block keys or None, text-block
+        hashes). The peer channel registers here: it needs the router and the router must reach
+        it, so one side of that cycle is a registration, as :meth:`Pool.on_add` is."""
+        self._pick_listeners.append(listener)
+
+    def record_remote_pick(self, key: str, keys: Sequence[int], hashes: Sequence[int]) -> None:
+        """A peer picker sent a request to ``key``: its KV-block ``keys`` are speculated in the
+        precise index (when there is one) and its text-block ``hashes`` recorded in the
+        approximate index, as our own picks are. Writer: the peer channel."""
+        if keys and self.precise is not None:
+            self.precise.speculate(key, keys, self.clock())
+        if hashes:
+            self.index.record(key, hashes)
+
+    def confirmed_depth(self, key: str, keys: Sequence[int]) -> int:
+        """How many of ``keys``' leading blocks ``key``'s own KV events confirm (0 without a
+        precise index): what a peer need not be told of a pick there."""
+        return self.precise.confirmed_depth(key, keys) if keys and self.precise is not None else 0
 
     def recredit(self, ticket: Ticket, key: str) -> bool:
         """Move ``ticket`` to endpoint ``key``, the one that served it (Envoy fell back): its

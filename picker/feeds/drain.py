@@ -143,6 +143,8 @@ class Inbox:
         self._watching = False
         self._timer: asyncio.TimerHandle | None = None
         self._last = float("-inf")
+        self._stopped = False
+        """Set by :meth:`stop`: later catch-ups (a pick still finishing at shutdown) read nothing."""
         self.reads = dict.fromkeys(TRIGGERS, 0)
         """Reads of every socket, by what started them: ``pick`` (:meth:`catch_up`), ``message``
         (one arrived after a quiet interval) or ``timer`` (dense traffic)."""
@@ -164,6 +166,7 @@ class Inbox:
             if self._timer is not None:
                 self._timer.cancel()
             self._watching, self._timer, self._loop = False, None, None
+        self._stopped = True
         self._sel.close()
 
     def add(self, drain: Drain) -> None:
@@ -177,7 +180,10 @@ class Inbox:
             self._sel.unregister(drain.fd)
 
     def catch_up(self, trigger: str = "pick") -> None:
-        """Take every message the sockets hold now (the module doc's invariant)."""
+        """Take every message the sockets hold now (the module doc's invariant); nothing once
+        stopped."""
+        if self._stopped:
+            return
         self._read(trigger)
         self._watch()
 

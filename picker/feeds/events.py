@@ -23,7 +23,6 @@ Only GPU-tier (``medium`` GPU or unset) events of KV-cache group 0 are indexed.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections.abc import Callable
@@ -35,7 +34,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from picker.core.prefix.precise import PreciseIndex
+from picker.core.prefix.precise import PreciseIndex, State, Sync
 from picker.feeds.drain import Drain, Inbox
 
 log = logging.getLogger(__name__)
@@ -238,28 +237,6 @@ def apply(index: PreciseIndex, key: str, events: list[Event]) -> int:
         else:
             index.clear(key)
     return skipped
-
-
-class State(enum.Enum):
-    WAITING = "waiting"
-    """No message yet (nothing known: an idle replica publishes nothing)."""
-    SYNCED = "synced"
-    """Every batch since the engine's seq 0 (or a replay) applied: the index is exact."""
-    REFILL = "refill"
-    """Entries dropped after an unrecoverable gap; approximate routing until ``refill_until``."""
-
-
-@dataclass
-class Sync:
-    """One endpoint's position in its event stream. Writer: that endpoint's subscriber task."""
-
-    state: State = State.WAITING
-    expected: int | None = None
-    refill_until: float = 0.0
-    gaps: int = 0
-    restarts: int = 0
-    bad: int = 0
-    skipped_stores: int = 0
 
 
 class Subscriber:

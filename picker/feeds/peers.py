@@ -141,6 +141,7 @@ class Peers:
         share_ttl_s: float = 1.0,
         share_flush_s: float = 0.02,
         inbox: Inbox | None = None,
+        scraper: Scraper | None = None,
     ) -> None:
         self.router, self.peers, self.clock, self.inbox = router, list(peers), clock, inbox
         self.peer_dns, self.dns_interval_s, self.resolver = peer_dns, dns_interval_s, resolver
@@ -170,8 +171,10 @@ class Peers:
             "or live owners are dropped"
         )
         self.share_ttl_s, self.share_flush_s = share_ttl_s, share_flush_s
-        self.scraper: Scraper | None = None
-        """Set by the server: with it, the scrapes are shared (module doc); without, none are."""
+        self.scraper = scraper
+        """With it, the scrapes are shared (module doc): this channel registers as its
+        :class:`~picker.feeds.scrape.ScrapeShare` (:meth:`Scraper.share_with`) and applies the
+        peers' outcomes to it; without, none are shared."""
         self._sharers: dict[str, float] = {}
         self._pending: dict[str, tuple[Outcome, float]] = {}
         self._flush_at: asyncio.TimerHandle | None = None
@@ -190,7 +193,9 @@ class Peers:
         self.bad = 0
         self.skipped = 0
         """Keys our picks left out, the endpoint holding them by its events (module doc)."""
-        router.on_pick = self.publish
+        router.add_pick_listener(self.publish)
+        if scraper is not None:
+            scraper.share_with(self)
 
     def publish(self, endpoint: str, keys: Sequence[int] | None, hashes: Sequence[int]) -> None:
         """Tell the peers about one pick, with our load report (non-blocking; dropped if the socket
@@ -198,8 +203,7 @@ class Peers:
         report = self._report()
         self._last_report = (self.clock(), report)
         keys = keys or ()
-        precise = self.router.precise
-        skip = precise.confirmed_depth(endpoint, keys) if keys and precise is not None else 0
+        skip = self.router.confirmed_depth(endpoint, keys)
         if skip:
             topic = TAIL
             body = msgpack.packb(
@@ -246,10 +250,7 @@ class Peers:
             return False
         if rest and not self._take_load(ident, rest[0]):
             return False
-        if keys and self.router.precise is not None:
-            self.router.precise.speculate(endpoint, keys, self.clock())
-        if hashes:
-            self.router.index.record(endpoint, hashes)
+        self.router.record_remote_pick(endpoint, keys, hashes)
         return True
 
     # --- shared scrapes ------------------------------------------------------------------

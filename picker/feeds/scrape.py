@@ -289,6 +289,14 @@ class Scraper:
         pool.on_add(self._start)
         pool.on_remove(self._stop)
 
+    def share_with(self, share: ScrapeShare) -> None:
+        """Share the scraping through ``share`` from now on (the peer channel registers itself
+        here when it is made: it feeds this scraper the peers' outcomes and this scraper tells
+        it ours, so one side of that cycle is a registration). Before :meth:`__aenter__`."""
+        assert self.share is None, "the scrapes are already shared"
+        assert not self._tasks, "share_with after the scraping started"
+        self.share = share
+
     async def __aenter__(self) -> Scraper:
         timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
         self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))

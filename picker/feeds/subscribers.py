@@ -8,7 +8,7 @@ where vLLM's rank r publishes. A
 removed endpoint's task is cancelled and its entries forgotten; an endpoint that stops answering
 its scrapes (``suspect``) has its entries dropped, as a restarted replica's cache is empty.
 
-``syncs`` (endpoint key → :class:`~picker.feeds.events.Sync`) is the router's view of which
+``syncs`` (endpoint key → :class:`~picker.core.prefix.precise.Sync`) is the router's view of which
 endpoints are routed precisely. Writer of the dict: this class (on pool changes); each ``Sync`` is
 written by its own subscriber task.
 """
@@ -23,9 +23,9 @@ import zmq.asyncio
 
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import EndpointState
-from picker.core.prefix.precise import PreciseIndex
+from picker.core.prefix.precise import PreciseIndex, State, Sync
 from picker.feeds.drain import Inbox
-from picker.feeds.events import State, Subscriber, Sync
+from picker.feeds.events import Subscriber
 
 log = logging.getLogger(__name__)
 

@@ -1,41 +1,27 @@
-"""The gRPC face of :meth:`picker.core.router.Router.explain` (``kvpick.v1.Explain``, proto/kvpick/v1)."""
+"""The gRPC face of :meth:`picker.serving.director.Director.explain` (``kvpick.v1.Explain``,
+proto/kvpick/v1): a body is parsed, tokenized and scored as a routed request is, and nothing is
+committed."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import grpc
 
 from picker._proto.kvpick.v1 import explain_pb2 as pb
 from picker._proto.kvpick.v1 import explain_pb2_grpc as pb_grpc
-from picker.core import request as request_mod
-from picker.core.errors import BadRequest, PickerError
-from picker.core.router import Router
+from picker.core.errors import PickerError
+from picker.serving.director import Director
 from picker.serving.errors import encode as encode_error
 
 
-async def explain(
-    router: Router, path: str, body: bytes, policy: str, headers: dict[str, str]
-) -> dict[str, Any]:
-    """Shared by the HTTP and gRPC faces: parse, validate the policy, explain."""
-    if policy and policy not in router.profiles:
-        raise BadRequest(f"unknown policy {policy!r}; known: {sorted(router.profiles)}")
-    path = path or "/v1/completions"
-    req, doc = request_mod.parse(body, path, headers, opts=router.parse_options)
-    req = await router.tokenize_remote(router.tokenize(req, doc, path), doc, path)
-    return router.explain(req, policy or None)
-
-
 class ExplainService(pb_grpc.ExplainServicer):  # type: ignore[misc]
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(self, director: Director) -> None:
+        self.director = director
 
     async def Explain(
         self, request: pb.ExplainRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExplainResponse:
         try:
-            doc = await explain(
-                self.router,
+            doc = await self.director.explain(
                 request.path,
                 request.body,
                 request.policy,

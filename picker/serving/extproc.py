@@ -1,6 +1,7 @@
 """Envoy ``ext_proc`` protocol for the GIE endpoint-picker contract (DESIGN §3). Protocol only:
-what to route is decided by :class:`~picker.core.router.Router`; this module turns Envoy messages into
-calls on it and its answers into Envoy messages.
+each request's steps (parse, tokenize, route, start, recredit, finish, telemetry) are the
+:class:`~picker.serving.director.Director`'s; this module turns Envoy messages into calls on it
+and its answers into Envoy messages. Each exchange's progress is one :class:`Phase`.
 
 Message order per HTTP request (one gRPC stream):
 - ``FULL_DUPLEX_STREAMED`` request body: answer nothing until the body's end-of-stream, then send
@@ -8,18 +9,9 @@ Message order per HTTP request (one gRPC stream):
   followed by the body as ``StreamedBodyResponse`` chunks of at most ``MAX_CHUNK`` bytes.
 - ``BUFFERED`` request body: answer the headers at once (no mutation), then answer the whole body
   with a ``BodyResponse`` carrying the mutation.
-- One trip: a ``STREAMED`` request body that Envoy sends without waiting for the headers' answer
-  (``send_body_without_waiting_for_header_response``, announced in ``protocol_config``): answer
-  nothing until the body is whole (its end-of-stream, or its declared ``content-length``), then
-  the request-headers response (destination header, ``envoy.lb`` metadata,
-  ``clear_route_cache``) and one ``BodyResponse`` per chunk received (Envoy holds each chunk until
-  then; an unchanged body passes as it is). Envoy continues the headers, and so chooses the route
-  and host, only once that answer has come. A chunk after the pick (HTTP/1.1's empty
-  end-of-stream chunk after a body of the declared length) is answered as it comes.
 - Response headers, body and trailers are answered in order as they arrive; in full-duplex mode
   the response body is echoed back chunk by chunk (SSE passes through unchanged).
-- Response headers are asked for only where the picker uses them (``skip_response_headers``; not
-  in one-trip mode, where Envoy ignores every ``mode_override`` and the config decides):
+- Response headers are asked for only where the picker uses them (``skip_response_headers``):
   with no response body and no fallbacks (under ORIGINAL_DST the primary is the only host that can
   serve, so there is nothing to re-credit), the request-headers response carries a
   ``mode_override`` (Envoy's ``allow_mode_override``) that SKIPs response headers and trailers for
@@ -37,6 +29,7 @@ When the client sent no ``x-request-id``, the one generated for it is set on the
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import logging
 import time
@@ -51,16 +44,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from picker.core import request as request_mod
-from picker.core.accounting import Ticket
 from picker.core.endpoints.types import Endpoint
 from picker.core.errors import BodyTooLarge, InternalError, PickerError
 from picker.core.request import Parsed
-from picker.core.router import Router
+from picker.serving.director import Director, Pick
 from picker.serving.errors import CONTENT_TYPE
 from picker.serving.errors import encode as encode_error
-from picker.serving.offload import BodyParser
-from picker.serving.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +95,7 @@ STATUS_LINGER_S = 2.0
 """How long a finished ext_proc stream waits for Envoy's reset before sending its status
 (:meth:`ExtProcService.Process`)."""
 EMPTY_LAST_CHUNK = pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True))
-"""What :meth:`ExtProcService._offload` passes on once it has buffered a body's last chunk itself
-(in one-trip mode, the chunk that completes the declared length)."""
-EMPTY_CHUNK = pb.ProcessingRequest(request_body=pb.HttpBody())
-"""What :meth:`ExtProcService._offload` passes on for a one-trip chunk it has buffered itself."""
+"""What :meth:`ExtProcService._prepare` passes on once it has buffered a body's last chunk itself."""
 SKIP_RESPONSE = {mode: _without_response_headers(mode) for mode in (FULL_DUPLEX, BUFFERED, STREAMED, NO_BODY)}
 """Built once: ``mode_override`` per request body mode."""
 
@@ -223,16 +209,11 @@ def body_chunks(
         yield pb.ProcessingResponse(**{kind: pb.BodyResponse(response=common)})
 
 
-ONE_TRIP_KEY = "one-trip:"
-""":class:`BodyAnswers` key prefix of a one-trip headers answer (a destination never has it)."""
-
-
 class BodyAnswers:
     """The answer to a BUFFERED body that leaves it unchanged and sends the client's own
     ``x-request-id`` depends on the destination alone (its header mutation and ``envoy.lb``
     metadata): built once per destination, then sent as it is by every stream that picks it
-    (building one costs more than the rest of the handler's protocol work). The same holds for
-    a one-trip body's headers answer, kept under ``ONE_TRIP_KEY`` + destination. Never modified once
+    (building one costs more than the rest of the handler's protocol work). Never modified once
     stored. Bounded: cleared when it holds ``limit`` destinations (there are as many as endpoints,
     times their orders where fallbacks are sent). Writer: the event loop, through :class:`Exchange`."""
 
@@ -253,53 +234,49 @@ class BodyAnswers:
         return len(self._by_destination)
 
 
-def _chunk_answers(n: int, new_body: bytes | None) -> list[pb.ProcessingResponse]:
-    """One answer per STREAMED body chunk Envoy holds (``n`` of them): each passes its chunk on
-    unchanged; a rewritten body replaces the first chunk and clears the others."""
-    if new_body is None:
-        return [BODY_ACK] * n
-    first = pb.CommonResponse(body_mutation=pb.BodyMutation(body=new_body))
-    return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=first)), *[BODY_CLEAR] * (n - 1)]
+class Phase(enum.Enum):
+    """Where one exchange stands. It only moves forward: HEADERS → BODY → ROUTED → DONE (a
+    bodiless request goes from HEADERS to ROUTED; an error from any phase ends the stream)."""
+
+    HEADERS = "headers"
+    """Nothing received yet."""
+    BODY = "body"
+    """Request headers received; the body is being buffered (up to ``max_body``)."""
+    ROUTED = "routed"
+    """The destination is chosen and answered; the response path is being passed through."""
+    DONE = "done"
+    """The request's accounting has ended (end of response, error, reset or disconnect)."""
 
 
 @dataclass
 class Exchange:
-    """State of one HTTP request's exchange. Protocol state only; lifecycle is the ticket's."""
+    """Protocol state of one HTTP request's ext_proc stream. The request's decision and
+    accounting are the director's (:attr:`pick`)."""
 
-    router: Router
-    telemetry: Telemetry | None
+    director: Director
     max_body: int
     request_mode: int
     response_mode: int
+    phase: Phase = Phase.HEADERS
     headers: dict[str, str] = field(default_factory=dict)
     chunks: list[bytes] = field(default_factory=list)
     size: int = 0
-    picked: bool = False
-    ticket: Ticket | None = None
-    chosen: list[str] = field(default_factory=list)
-    """Endpoint keys, primary first."""
-    decision_label: str = "none"
-    request_id: str = ""
-    """The client's ``x-request-id``, or the one generated for it at the pick."""
+    pick: Pick | None = None
+    """Set when the phase becomes ROUTED."""
     subset: frozenset[str] | None = None
     """The gateway's subset hint (endpoint keys), None when it sent none."""
     measurable: bool = False
     """The response is a 2xx event stream: its first byte times the prefill (a cross-check)."""
     parsed: Parsed | None = None
-    """The body's parse, when it was made off the event loop before the pick."""
+    """The body's parse, when :meth:`Director.prepare` made it before the pick."""
     skip_response_headers: bool = False
     """Ask Envoy (``mode_override``) not to send the response path, where the modes allow it."""
     body_answers: BodyAnswers | None = None
     """The service's shared answers to unchanged BUFFERED bodies (None: built per request)."""
-    one_trip: bool = False
-    """STREAMED request body sent without waiting for the headers' answer (Envoy's
-    ``send_body_without_waiting_for_header_response``): the headers are answered with the
-    destination once the whole body is in, followed by one answer per body chunk received."""
-    unanswered: int = 0
-    """Body chunks received in one-trip mode and not yet answered (Envoy holds each until then)."""
-    declared: int = -1
-    """The request's ``content-length`` (-1: none). In one-trip mode the body is whole once this
-    many bytes arrived, even if its end-of-stream comes with trailers instead."""
+
+    @property
+    def routed(self) -> bool:
+        return self.phase is Phase.ROUTED or self.phase is Phase.DONE
 
     # -- request path -------------------------------------------------------------------------
     def on_request_headers(
@@ -313,12 +290,8 @@ class Exchange:
             # Envoy sets protocol_config (presence-tracked) on the first message only, with its
             # configured modes; there NONE (0) is a real mode: no body message will follow.
             self.request_mode, self.response_mode = cfg.request_body_mode, cfg.response_body_mode
-            if cfg.send_body_without_waiting_for_header_response:
-                # Envoy ignores a mode_override then (for every request of the filter); the
-                # rendered config skips the response path itself where it can (render.py).
-                self.skip_response_headers = False
-                self.one_trip = cfg.request_body_mode == STREAMED
         self.headers = _headers_map(msg)
+        self.phase = Phase.BODY
         self.skip_response_headers = self.skip_response_headers and self.response_mode == NO_BODY
         if msg.end_of_stream or self.request_mode == NO_BODY:
             # Bodiless (GET /v1/models), or a body Envoy will not send: any ready endpoint.
@@ -326,10 +299,6 @@ class Exchange:
             return [self._override(self._headers_response(body_len=None))]
         if self.request_mode == FULL_DUPLEX:
             return []  # answered once the body's end-of-stream arrives
-        if self.one_trip:
-            length = self.headers.get("content-length", "")
-            self.declared = int(length) if length.isdigit() else -1
-            return []  # answered with the destination once the body is in
         return [HEADERS_ACK[self.skip_response_headers and self.request_mode == BUFFERED]]
 
     def _override(self, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
@@ -351,13 +320,6 @@ class Exchange:
 
     def on_request_body(self, msg: pb.HttpBody) -> Iterable[pb.ProcessingResponse]:
         self.absorb(msg.body)
-        if self.one_trip:
-            if self.picked:  # the empty end-of-stream chunk after a body of the declared length
-                return [BODY_ACK]
-            self.unanswered += 1
-            if msg.end_of_stream or self.size == self.declared:
-                return self._finish_request_body()
-            return []
         if not msg.end_of_stream:
             if self.request_mode == FULL_DUPLEX or self.request_mode == BUFFERED:
                 return []
@@ -365,7 +327,7 @@ class Exchange:
         return self._finish_request_body()
 
     def on_request_trailers(self) -> Iterable[pb.ProcessingResponse]:
-        out = () if self.picked else self._finish_request_body(eos=False)
+        out = () if self.routed else self._finish_request_body(eos=False)
         return itertools.chain(out, (TRAILERS_ACK,))
 
     def _finish_request_body(self, eos: bool = True) -> Iterable[pb.ProcessingResponse]:
@@ -379,16 +341,8 @@ class Exchange:
             out = new_body if new_body is not None else chunks
             return itertools.chain((head,), body_chunks(out, "request_body", eos))
         unchanged = new_body is None and self.request_id == self.headers.get(REQUEST_ID)
-        shared = self.body_answers if unchanged else None  # the answer depends on the destination alone
-        if self.one_trip:
-            n, self.unanswered = self.unanswered, 0
-            if shared is not None:
-                head = shared.get(ONE_TRIP_KEY + self.destination, self._headers_response)
-            else:
-                head = self._headers_response(len(new_body) if new_body is not None else None)
-            return [head, *_chunk_answers(n, new_body)]
-        if shared is not None:
-            return [shared.get(self.destination, self._body_answer)]
+        if unchanged and self.body_answers is not None:  # the answer depends on the destination alone
+            return [self.body_answers.get(self.destination, self._body_answer)]
         return [self._body_answer(new_body)]
 
     def _body_answer(self, new_body: bytes | None = None) -> pb.ProcessingResponse:
@@ -401,38 +355,25 @@ class Exchange:
         )
 
     def _pick(self, chunks: Sequence[bytes]) -> bytes | None:
-        """Parse (unless done off the loop), route and start accounting. Returns a rewritten
-        body, or None if unchanged. A bodiless request skips scheduling: any ready endpoint, no
-        index or accounting."""
-        self.picked = True
+        """Route through the director (parsing inline unless :meth:`Director.prepare` already
+        did). Returns a rewritten body, or None if unchanged."""
+        self.phase = Phase.ROUTED
+        director = self.director
         if not any(chunks):
-            self.request_id = request_mod.request_id_of(self.headers)
-            self.chosen = [self.router.any_ready(self.subset).key]
-            self.decision_label = "bodiless"
+            self.pick = director.pick_bodiless(self.headers, self.subset)
             return None
-        if self.parsed is None:
-            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            path = self.headers.get(":path", "")
-            self.parsed = request_mod.parse_and_rewrite(body, path, self.headers, self.router.parse_options)
-        req, new_body, doc = self.parsed
-        if doc is not None:
-            req = self.router.tokenize(req, doc, self.headers.get(":path", ""))
-        self.request_id = req.request_id
-        decision = self.router.route(req, subset=self.subset)
-        self.ticket = self.router.start(decision)
-        self.chosen = [e.key for e in decision.chosen]
-        self.decision_label = "prefix_hit" if decision.cycle.matches.get(self.chosen[0], 0) else "prefix_miss"
-        if self.telemetry:
-            self.telemetry.count_request(req.model, req.model)
-        if self.telemetry and decision.cycle.n_blocks:
-            self.telemetry.prefix_hit_ratio.observe(self.ticket.matched_blocks / decision.cycle.n_blocks)
+        parsed = self.parsed if self.parsed is not None else director.parse(chunks, self.headers)
+        self.pick, new_body = director.pick(parsed, self.subset)
         return new_body
 
     @property
+    def request_id(self) -> str:
+        """The client's ``x-request-id``, or the one generated for it at the pick."""
+        return self.pick.request_id if self.pick is not None else ""
+
+    @property
     def destination(self) -> str:
-        """The one value of both the destination header and the ``envoy.lb`` metadata (the
-        protocol forbids two different values): primary first, then fallbacks, comma-separated."""
-        return ",".join(self.chosen)
+        return self.pick.destination if self.pick is not None else ""
 
     def _mutation(self, body_len: int | None) -> pb.CommonResponse:
         hdrs = [_header(DEST_HEADER, self.destination)]
@@ -458,25 +399,20 @@ class Exchange:
     def on_response_headers(
         self, msg: pb.HttpHeaders, served: str | None = None
     ) -> list[pb.ProcessingResponse]:
-        if served and self.ticket is not None:
-            primary = bool(self.chosen) and served == self.chosen[0]
-            if self.telemetry:
-                (self.telemetry.served_primary if primary else self.telemetry.served_other).inc()
-            if not primary and self.router.recredit(self.ticket, served):
-                self.chosen = [served, *(k for k in self.chosen if k != served)]
         headers = _headers_map(msg)
         status = headers.get(":status", "")
+        if self.pick is not None:
+            self.director.served(self.pick, served, status)
         self.measurable = status.startswith("2") and headers.get("content-type", "").startswith(
             "text/event-stream"
         )
-        self.decision_label = f"{self.decision_label}:{status[:1]}xx" if status else self.decision_label
         if msg.end_of_stream:
             self.close()
         return [RESPONSE_HEADERS_ACK]
 
     def on_response_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
-        if self.ticket is not None:
-            self.router.first_token(self.ticket, self.measurable)
+        if self.pick is not None:
+            self.director.first_byte(self.pick, self.measurable)
         if msg.end_of_stream:
             self.close()
         if self.response_mode == FULL_DUPLEX:
@@ -491,30 +427,26 @@ class Exchange:
 
     def close(self, outcome: str = "ok") -> None:
         """End accounting (idempotent): end of stream, error, reset or client disconnect."""
-        if self.ticket is not None and not self.ticket.done:
-            self.router.finish(self.ticket)
-            if self.telemetry:
-                self.telemetry.requests.labels(self.decision_label, outcome).inc()
+        if self.pick is not None:
+            self.director.finish(self.pick, outcome)
+            self.phase = Phase.DONE
 
 
 class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(
         self,
-        router: Router,
-        telemetry: Telemetry | None = None,
+        director: Director,
         default_mode: int = FULL_DUPLEX,
-        parser: BodyParser | None = None,
         response_headers: str = "when-needed",
         max_streams: int = 0,
     ) -> None:
         assert response_headers in RESPONSE_HEADERS, f"response_headers {response_headers!r}"
         assert max_streams >= 0, f"max_streams must be >= 0, got {max_streams}"
-        self.router = router
-        self.telemetry = telemetry
+        self.director = director
+        telemetry = self.telemetry = director.telemetry
+        self.max_body = director.router.cfg.max_body_bytes
         self.default_mode = default_mode
-        self.parser = parser
-        """Parses large bodies off the event loop; None parses every body inline."""
-        self.skip_response_headers = response_headers == "when-needed" and router.cfg.fallbacks == 0
+        self.skip_response_headers = response_headers == "when-needed" and director.router.cfg.fallbacks == 0
         """No fallbacks: the primary serves or nothing does, so the served endpoint tells nothing."""
         self.max_streams = max_streams
         """Cap on concurrent ext_proc streams (0: none). Counted here, not by the gRPC server,
@@ -528,51 +460,29 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.body_answers = BodyAnswers()
         """Shared by every stream's :class:`Exchange`."""
 
-    async def _offload(self, ex: Exchange, msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
-        """A body's last chunk is buffered here (its one copy out of the message: the last chunk
-        of a BUFFERED body is the whole body) and the exchange finishes on an empty end-of-stream
-        chunk; in one-trip mode every chunk is, and the one that completes the declared
-        ``content-length`` is the last (its end-of-stream may follow in an empty chunk). Before that, work that must leave the event loop is done: a large body is parsed
-        in the worker process; with a tokenizer (precise mode) the prompt is tokenized here when
-        the body is under ``prefix.tokenize_inline_bytes`` and no other encode is running (a
-        thread hop costs more than a short prompt), else in a thread (HF ``tokenizers`` releases
-        the GIL); with none, by a replica's ``/tokenize`` (awaited, bounded). Other messages pass unchanged."""
-        if msg.WhichOneof("request") != "request_body" or ex.picked:
+    async def _prepare(self, ex: Exchange, msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
+        """Before the message that completes a request body is handled: the body's last chunk
+        is buffered here (its one copy out of the message: the last chunk of a BUFFERED body is
+        the whole body) and the exchange finishes on an empty end-of-stream chunk; where the
+        director says so (:meth:`Director.needs_prepare`: a large body, or tokenization on), its
+        async :meth:`Director.prepare` runs first, off the event loop's critical path. A body
+        ended by trailers is prepared when they arrive. Other messages pass unchanged."""
+        if ex.phase is not Phase.BODY:
             return msg
-        chunk = msg.request_body
-        if not (chunk.end_of_stream or ex.one_trip):
-            return msg
-        body = chunk.body  # one copy out of the message; the last chunk may be the whole body
-        size = ex.size + len(body)
-        if not chunk.end_of_stream and size != ex.declared:  # one trip: the body is not whole yet
-            ex.absorb(body)
-            return EMPTY_CHUNK
-        offload = self.parser is not None and self.parser.offloads(size)
-        tokenize = (
-            self.router.tokenizer is not None or self.router.remote_tokenizer is not None
-        ) and size > 0
-        ex.absorb(body)
-        if not (offload or tokenize):
-            return EMPTY_LAST_CHUNK
-        path = ex.headers.get(":path", "")
-        if offload:
-            assert self.parser is not None, "offload without a parser"
-            ex.parsed = await self.parser.parse(ex.chunks, path, ex.headers, self.router.parse_options)
+        kind = msg.WhichOneof("request")
+        if kind == "request_body":
+            chunk = msg.request_body
+            if not chunk.end_of_stream:
+                return msg
+            ex.absorb(chunk.body)  # one copy out of the message; the last chunk may be the whole body
+            result = EMPTY_LAST_CHUNK
+        elif kind == "request_trailers":
+            result = msg
         else:
-            body = ex.chunks[0] if len(ex.chunks) == 1 else b"".join(ex.chunks)
-            ex.parsed = request_mod.parse_and_rewrite(body, path, ex.headers, self.router.parse_options)
-        req, new_body, doc = ex.parsed
-        if tokenize and doc is not None:
-            if self.router.tokenizer is not None:
-                short = size < self.router.cfg.prefix.tokenize_inline_bytes
-                now = self.router.tokenize_now(req, doc, path) if short else None
-                req = (
-                    now if now is not None else await asyncio.to_thread(self.router.tokenize, req, doc, path)
-                )
-            else:
-                req = await self.router.tokenize_remote(req, doc, path, ex.subset)
-            ex.parsed = (req, new_body, doc)
-        return EMPTY_LAST_CHUNK
+            return msg
+        if self.director.needs_prepare(ex.size):
+            ex.parsed = await self.director.prepare(ex.chunks, ex.size, ex.headers, ex.subset)
+        return result
 
     async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         """The gRPC handler, as a coroutine on grpc.aio's reader/writer API: each message is one
@@ -616,9 +526,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"over {self.max_streams} concurrent ext_proc streams"
             )
-        ex = Exchange(
-            self.router, self.telemetry, self.router.cfg.max_body_bytes, self.default_mode, self.default_mode
-        )
+        ex = Exchange(self.director, self.max_body, self.default_mode, self.default_mode)
         ex.skip_response_headers = self.skip_response_headers
         ex.body_answers = self.body_answers
         outcome = "aborted"
@@ -627,11 +535,11 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             while (msg := await read()) is not grpc.aio.EOF:
                 assert isinstance(msg, pb.ProcessingRequest), f"read() gave {type(msg).__name__}"
                 try:
-                    out = self._step(ex, await self._offload(ex, msg))
+                    out = self._step(ex, await self._prepare(ex, msg))
                 except PickerError as err:
                     outcome = f"error_{err.status}"
-                    if self.telemetry and ex.ticket is None:  # else counted by close()
-                        self.telemetry.requests.labels("rejected", outcome).inc()
+                    if ex.pick is None or ex.pick.ticket is None:  # else counted by close()
+                        self.director.reject(outcome)
                     await write(immediate(err))
                     return
                 for resp in out:
@@ -645,11 +553,11 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """:meth:`_dispatch`, timing only the call that makes the pick (the e2e histogram holds
         one sample per picked request). Raises only :class:`PickerError`."""
         try:
-            if self.telemetry is None or ex.picked:
+            if self.telemetry is None or ex.routed:
                 return self._dispatch(ex, msg)
             start = time.perf_counter()
             out = self._dispatch(ex, msg)
-            if ex.picked:
+            if ex.routed:
                 self.telemetry.e2e.observe(time.perf_counter() - start)
             return out
         except PickerError:

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from picker.core.errors import PickerError
 from picker.core.router import Router
-from picker.serving import explain as explain_mod
+from picker.serving.director import Director
 from picker.serving.errors import CONTENT_TYPE
 from picker.serving.errors import encode as encode_error
 from picker.serving.telemetry import Telemetry
@@ -49,12 +49,13 @@ def metrics_app(router: Router, telemetry: Telemetry) -> web.Application:
     return app
 
 
-def debug_app(router: Router) -> web.Application:
+def debug_app(director: Director) -> web.Application:
+    router = director.router
+
     async def explain(req: web.Request) -> web.Response:
         body = await req.read()
         try:
-            doc = await explain_mod.explain(
-                router,
+            doc = await director.explain(
                 req.query.get("path", ""),
                 body,
                 req.query.get("policy", ""),

@@ -35,12 +35,14 @@ from picker.feeds.drain import INTERVAL_S, Inbox
 from picker.feeds.peers import Peers
 from picker.feeds.scrape import Scraper
 from picker.feeds.subscribers import Subscribers
+from picker.serving.director import Director
 from picker.serving.explain import ExplainService
 from picker.serving.extproc import FULL_DUPLEX, ExtProcService
 from picker.serving.http import debug_app, metrics_app
 from picker.serving.offload import BodyParser
 from picker.serving.telemetry import Telemetry
 from picker.serving.tls import server_credentials
+from picker.serving.tokenization import Tokenization
 
 log = logging.getLogger(__name__)
 EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -95,11 +97,20 @@ class ServerOptions:
 
 
 class PickerServer:
+    """Builds every part by constructor, in dependency order (pool → inbox → scraper → telemetry
+    → router → tokenization → director), then :meth:`run` starts them. The peer channel binds
+    its sockets, so it is made in :meth:`run`; it registers itself with the router and the
+    scraper it feeds (:meth:`Router.add_pick_listener`, :meth:`Scraper.share_with`)."""
+
     def __init__(self, cfg: RouterConfig, provider: EndpointProvider, opts: ServerOptions) -> None:
         self.cfg, self.provider, self.opts = cfg, provider, opts
         self.pool = Pool()
-        self.telemetry = Telemetry(pool_name=opts.pool_name)
-        self.router = Router(cfg, self.pool, plugin_timer=self.telemetry.plugin_timer)
+        self.inbox = Inbox(opts.message_interval_s)
+        self.scraper = Scraper(self.pool, cfg.scrape, self._on_scrape, self._on_scrape_error)
+        self.telemetry = Telemetry(pool_name=opts.pool_name, inbox=self.inbox, scraper=self.scraper)
+        self.router = Router(
+            cfg, self.pool, plugin_timer=self.telemetry.plugin_timer, catch_up=self.inbox.catch_up
+        )
         for prof in self.router.profiles.values():  # GIE's extension_point label per plugin
             points = self.telemetry.extension_points
             points.update({name: "Filter" for name, _ in prof.filters})
@@ -110,6 +121,8 @@ class PickerServer:
         if isinstance(provider, ObjectiveSource):  # Kubernetes: InferenceObjective objects
             provider.attach_objectives(self.router.objectives)
         self.parser = BodyParser(cfg.parse_offload_bytes)
+        self.tokenization = Tokenization.from_config(self.router, cfg.prefix)
+        self.director = Director(self.router, self.tokenization, self.telemetry, self.parser)
         self._stopping = asyncio.Event()
         self._subs: Subscribers | None = None
         self._force = asyncio.Event()
@@ -154,17 +167,15 @@ class PickerServer:
         options = [("grpc.so_reuseport", reuse), ("grpc.max_receive_message_length", max_message)]
         server = grpc.aio.server(options=options)
         service = ExtProcService(
-            self.router,
-            self.telemetry,
+            self.director,
             self.opts.default_body_mode,
-            self.parser,
             self.opts.response_headers,
             max_streams=self.opts.max_concurrent_streams,
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if self.opts.enable_explain_grpc:
-            explain_pb2_grpc.add_ExplainServicer_to_server(ExplainService(self.router), server)
+            explain_pb2_grpc.add_ExplainServicer_to_server(ExplainService(self.director), server)
         addr = f"{self.opts.host}:{self.opts.grpc_port}"
         if self.opts.secure_serving:
             server.add_secure_port(
@@ -178,7 +189,7 @@ class PickerServer:
         runners: list[web.AppRunner] = []
         faces = [(metrics_app(self.router, self.telemetry), self.opts.host, self.opts.metrics_port)]
         if self.opts.enable_debug_api:
-            faces.append((debug_app(self.router), self.opts.debug_bind_address, self.opts.debug_port))
+            faces.append((debug_app(self.director), self.opts.debug_bind_address, self.opts.debug_port))
         for app, host, port in faces:
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
@@ -193,20 +204,21 @@ class PickerServer:
         hs.add_insecure_port(f"{self.opts.host}:{self.opts.grpc_health_port}")
         await self._set_health(False)
         runners: list[web.AppRunner] = []
-        inbox = Inbox(self.opts.message_interval_s)
+        inbox, scraper = self.inbox, self.scraper
         inbox.start()
-        self.router.catch_up = inbox.catch_up
-        self.telemetry.inbox = inbox
         subs = self._subs = self._subscribers(inbox)
         peers = (
-            Peers(self.router, self.opts.peer_bind, self.opts.peers, peer_dns=self.opts.peer_dns, inbox=inbox)
+            Peers(
+                self.router,
+                self.opts.peer_bind,
+                self.opts.peers,
+                peer_dns=self.opts.peer_dns,
+                inbox=inbox,
+                scraper=scraper,
+            )
             if self.opts.peer_bind
             else None
         )
-        scraper = Scraper(self.pool, self.cfg.scrape, self._on_scrape, self._on_scrape_error, peers)
-        if peers is not None:
-            peers.scraper = scraper  # the scrapes are shared with the peers
-        self.telemetry.scraper = scraper
         async with scraper:
             if subs is not None:
                 subs.attach(self.pool)
@@ -240,11 +252,9 @@ class PickerServer:
                 if subs is not None:
                     await subs.close()
                 self.parser.close(wait=True)
-                if self.router.remote_tokenizer is not None:
-                    await self.router.remote_tokenizer.close()
+                await self.tokenization.close()
                 if peers is not None:
                     peers.close()
-                self.router.catch_up = None
                 inbox.stop()
 
     async def _drain(self, ext: grpc.aio.Server) -> None:

@@ -41,7 +41,13 @@ class ScrapeCounts(Protocol):
 
 
 class Telemetry:
-    def __init__(self, registry: CollectorRegistry | None = None, pool_name: str = "kvpick") -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        pool_name: str = "kvpick",
+        inbox: InboxCounts | None = None,
+        scraper: ScrapeCounts | None = None,
+    ) -> None:
         r = self.registry = registry or CollectorRegistry()
         self.pool_name = pool_name
         self.extension_points: dict[str, str] = {}
@@ -159,11 +165,11 @@ class Telemetry:
             registry=r,
         )
         r.register(tally)
-        self.inbox: InboxCounts | None = None
-        """Set by the server: the inbox whose counts :meth:`refresh` mirrors."""
+        self.inbox = inbox
+        """The inbox whose counts :meth:`refresh` mirrors (None: no inbox metrics)."""
         self._inbox_seen: tuple[dict[str, int], int, int] = ({}, 0, 0)
-        self.scraper: ScrapeCounts | None = None
-        """Set by the server: the scraper whose counts and ownership :meth:`refresh` mirrors."""
+        self.scraper = scraper
+        """The scraper whose counts and ownership :meth:`refresh` mirrors (None: none)."""
         self._scrapes_seen = (0, 0)
 
     def plugin_timer(self, name: str, seconds: float) -> None:

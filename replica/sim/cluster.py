@@ -47,6 +47,7 @@ from picker.core.config import RouterConfig, load_file
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint, EndpointMetrics, Health
 from picker.core.errors import PickerError
+from picker.core.prefix.precise import State, Sync
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
 from picker.feeds import events as kv_events_in
@@ -138,7 +139,7 @@ class Cluster:
         }
         for r in self.pickers if self.precise else ():
             for key in self.replicas:
-                r.syncs[key] = kv_events_in.Sync(kv_events_in.State.SYNCED, expected=0)
+                r.syncs[key] = Sync(State.SYNCED, expected=0)
         self._next_picker = itertools.count()
         self.decisions = 0
         self.agreed = 0

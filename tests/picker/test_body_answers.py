@@ -14,6 +14,7 @@ from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
 from picker.core.router import Router
 from picker.serving.extproc import BUFFERED, DEST_HEADER, REQUEST_ID, BodyAnswers, ExtProcService
+from tests.support import picking
 
 BODY = b'{"model": "m", "prompt": "the same prompt every time"}'
 
@@ -21,7 +22,7 @@ BODY = b'{"model": "m", "prompt": "the same prompt every time"}'
 def service(**cfg: object) -> ExtProcService:
     pool = Pool()
     pool.set_endpoints([Endpoint("10.0.0.1", 8000)])
-    svc = ExtProcService(Router(RouterConfig(**cfg), pool), default_mode=BUFFERED)  # type: ignore[arg-type]
+    svc = picking.service(Router(RouterConfig(**cfg), pool), default_mode=BUFFERED)  # type: ignore[arg-type]
     svc.status_linger_s = 0.0
     return svc
 
@@ -94,14 +95,3 @@ async def one_trip_head(svc: ExtProcService, **headers: str) -> pb.ProcessingRes
     out = await svc.answers(stream())
     assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
     return out[0]
-
-
-async def test_one_trip_headers_answers_are_shared_the_same_way() -> None:
-    svc = service()
-    first = await one_trip_head(svc, x_request_id="client-1")
-    assert await one_trip_head(svc, x_request_id="client-2") is first
-    assert await one_trip_head(svc) is not first, "a generated x-request-id goes upstream in it"
-    mutation = first.request_headers.response.header_mutation
-    assert {h.header.key for h in mutation.set_headers} == {DEST_HEADER}
-    assert first.request_headers.response.clear_route_cache
-    assert await body_answer(svc, x_request_id="client-3") is not first, "kept apart from body answers"

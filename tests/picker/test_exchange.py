@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -18,7 +17,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from picker.core.config import RouterConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
-from picker.core.errors import BodyTooLarge, PickerError
 from picker.core.router import Router
 from picker.serving.extproc import (
     BUFFERED,
@@ -30,13 +28,14 @@ from picker.serving.extproc import (
     ExtProcService,
 )
 from picker.serving.telemetry import Telemetry
+from tests.support.picking import director, service
 
 
 def make(mode: int = FULL_DUPLEX, **cfg: object) -> tuple[Exchange, Pool]:
     pool = Pool()
     pool.set_endpoints([Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000), Endpoint("10.0.0.3", 8000)])
     router = Router(RouterConfig(fallbacks=2, **cfg), pool)  # type: ignore[arg-type]
-    return Exchange(router, None, 1 << 20, mode, mode), pool
+    return Exchange(director(router), 1 << 20, mode, mode), pool
 
 
 def headers(eos: bool = False, **extra: str) -> pb.HttpHeaders:
@@ -74,11 +73,11 @@ def test_full_duplex_answers_only_after_end_of_stream_then_headers_then_chunks()
     assert all(len(s.body) <= MAX_CHUNK for s in streamed)
     assert [s.end_of_stream for s in streamed] == [False] * (len(streamed) - 1) + [True]
     assert b"".join(s.body for s in streamed) == body
-    assert ex.ticket is not None and ex.ticket.state.load.in_flight_requests == 1
+    assert ex.pick.ticket is not None and ex.pick.ticket.state.load.in_flight_requests == 1
     ex.on_response_headers(headers())
     ex.on_response_body(pb.HttpBody(body=b"data: 1\n\n"))
     assert ex.on_response_body(pb.HttpBody(body=b"", end_of_stream=True))
-    assert ex.ticket.state.load.in_flight_requests == 0
+    assert ex.pick.ticket.state.load.in_flight_requests == 0
 
 
 def test_buffered_mode_mutates_in_the_body_response() -> None:
@@ -111,8 +110,8 @@ def test_bodiless_request_skips_scheduling_and_accounting() -> None:
         s.metrics.waiting = 1000  # saturated: a bodiless GET is still answered, never shed
     (resp,) = ex.on_request_headers(headers(eos=True), None)
     assert dest(resp.request_headers.response)[DEST_HEADER] in {s.key for s in pool}
-    assert ex.ticket is None and all(s.load.in_flight_requests == 0 for s in pool)
-    assert ex.router.index.size() == 0
+    assert ex.pick.ticket is None and all(s.load.in_flight_requests == 0 for s in pool)
+    assert ex.director.router.index.size() == 0
 
 
 def test_model_rewrite_changes_body_and_content_length() -> None:
@@ -158,8 +157,8 @@ def _respond(ex: Exchange, status: str, content_type: str) -> None:
     ex.on_request_body(
         pb.HttpBody(body=json.dumps({"model": "m", "prompt": "x" * 16384}).encode(), end_of_stream=True)
     )
-    assert ex.ticket is not None
-    ex.ticket.started -= 0.001
+    assert ex.pick.ticket is not None
+    ex.pick.ticket.started -= 0.001
     hs = [
         base_pb2.HeaderValue(key=":status", raw_value=status.encode()),
         base_pb2.HeaderValue(key="content-type", raw_value=content_type.encode()),
@@ -183,7 +182,7 @@ def test_only_2xx_streams_time_the_prefill(status: str, content_type: str, moves
     ex, pool = make()
     models = {s.key: dataclasses.replace(s.model) for s in pool}
     _respond(ex, status, content_type)
-    assert (ex.router.prefill_rate > 0) == moves
+    assert (ex.director.router.prefill_rate > 0) == moves
     assert all(s.load.pending_prefill_tokens == 0 for s in pool), "the prefill is no longer pending"
     assert {s.key: s.model for s in pool} == models
 
@@ -264,7 +263,7 @@ def test_announced_full_duplex_still_waits_for_the_body() -> None:
 def _service(linger: float = 0.0) -> tuple[ExtProcService, Telemetry, Pool]:
     ex, pool = make()
     telemetry = Telemetry()
-    svc = ExtProcService(ex.router, telemetry)
+    svc = service(ex.director.router, telemetry)
     svc.status_linger_s = linger
     return svc, telemetry, pool
 
@@ -316,7 +315,7 @@ async def test_unexpected_error_becomes_a_json_500_and_releases_accounting(
     def boom(*_: object) -> None:
         raise KeyError("bug after the pick")
 
-    monkeypatch.setattr(svc.router, "first_token", boom)  # fails once the request is in flight
+    monkeypatch.setattr(svc.director.router, "first_token", boom)  # fails once the request is in flight
     msgs = [
         pb.ProcessingRequest(request_headers=headers(x_request_id="rid-7")),
         pb.ProcessingRequest(request_body=BODY),
@@ -346,7 +345,7 @@ async def test_unexpected_error_before_the_pick_is_a_500_too(monkeypatch: pytest
     def boom(*_: object) -> None:
         raise ZeroDivisionError("bug in scoring")
 
-    monkeypatch.setattr(svc.router, "route", boom)
+    monkeypatch.setattr(svc.director.router, "route", boom)
     msgs = [pb.ProcessingRequest(request_headers=headers()), pb.ProcessingRequest(request_body=BODY)]
     [resp] = await svc.answers(_stream(*msgs))
     assert resp.immediate_response.status.code == 500
@@ -376,9 +375,9 @@ def test_response_headers_are_skipped_only_where_nothing_of_the_response_is_want
 
 def test_the_service_skips_response_headers_only_without_fallbacks() -> None:
     pool = Pool()
-    assert ExtProcService(Router(RouterConfig(fallbacks=0), pool)).skip_response_headers
-    assert not ExtProcService(Router(RouterConfig(fallbacks=1), pool)).skip_response_headers
-    assert not ExtProcService(Router(RouterConfig(), pool), response_headers="always").skip_response_headers
+    assert service(Router(RouterConfig(fallbacks=0), pool)).skip_response_headers
+    assert not service(Router(RouterConfig(fallbacks=1), pool)).skip_response_headers
+    assert not service(Router(RouterConfig(), pool), response_headers="always").skip_response_headers
 
 
 async def test_a_finished_stream_waits_for_envoys_reset_instead_of_ending_with_a_status() -> None:
@@ -406,128 +405,3 @@ async def test_a_finished_stream_waits_for_envoys_reset_instead_of_ending_with_a
     task.cancel()  # Envoy's reset
     with pytest.raises(asyncio.CancelledError):
         await task
-
-
-# ---- one trip: STREAMED request body sent without waiting for the headers' answer -------------
-
-ONE_TRIP = pb.ProtocolConfiguration(
-    request_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
-    response_body_mode=NO_BODY,
-    send_body_without_waiting_for_header_response=True,
-)
-
-
-def _one_trip(
-    body: bytes, cuts: list[int], declared: bool = True, **cfg: object
-) -> tuple[Exchange, list[list[pb.ProcessingResponse]]]:
-    """``body`` sent in chunks split at ``cuts``, the last with end-of-stream: the answers to each
-    message, headers first."""
-    ex, _ = make(BUFFERED, **cfg)
-    ex.skip_response_headers = True  # what the service sets without fallbacks; ignored here
-    extra = {"content_length": str(len(body))} if declared else {}
-    answers = [ex.on_request_headers(headers(**extra), ONE_TRIP)]
-    edges = [0, *cuts, len(body)]
-    for i, (a, b) in enumerate(itertools.pairwise(edges)):
-        answers.append(
-            list(ex.on_request_body(pb.HttpBody(body=body[a:b], end_of_stream=i == len(edges) - 2)))
-        )
-    return ex, answers
-
-
-def test_one_trip_answers_the_headers_with_the_destination_after_the_whole_body() -> None:
-    """Every chunk is held by Envoy until answered; the picker answers nothing until the body is
-    whole, then the headers (destination, metadata, clear_route_cache; no mode_override, which
-    Envoy ignores in this mode) and one pass-through answer per chunk. A chunk boundary splits a
-    UTF-8 sequence and the JSON."""
-    body = json.dumps({"model": "m", "prompt": "é" * 30_000}, ensure_ascii=False).encode()
-    cut = body.index("é".encode()) + 1  # inside the two-byte sequence
-    ex, answers = _one_trip(body, [5, cut, len(body) // 2], declared=False)
-    assert all(a == [] for a in answers[:-1]), answers[:-1]
-    head, *acks = answers[-1]
-    assert head.WhichOneof("response") == "request_headers"
-    common = head.request_headers.response
-    assert common.clear_route_cache and not head.HasField("mode_override")
-    assert dest(common)[DEST_HEADER] == ex.destination
-    assert "content-length" not in dest(common), "the body is unchanged"
-    lb = head.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DEST_HEADER].string_value
-    assert lb == ex.destination
-    assert len(acks) == 4 and all(a.WhichOneof("response") == "request_body" for a in acks)
-    assert all(not a.request_body.HasField("response") for a in acks), "each chunk passes unchanged"
-    assert ex.ticket is not None and ex.ticket.state.load.in_flight_requests == 1
-    ex.close()
-    assert ex.ticket.state.load.in_flight_requests == 0
-
-
-def test_one_trip_picks_once_the_declared_length_is_in() -> None:
-    """HTTP/1.1 bodies reach ext_proc as the data and then an empty end-of-stream chunk; the
-    picker answers at the declared content-length, and the empty chunk gets its own answer."""
-    body = b'{"model": "m", "prompt": "hi"}'
-    ex, _ = make(BUFFERED)
-    assert ex.on_request_headers(headers(content_length=str(len(body))), ONE_TRIP) == []
-    out = list(ex.on_request_body(pb.HttpBody(body=body)))
-    assert [o.WhichOneof("response") for o in out] == ["request_headers", "request_body"]
-    [last] = list(ex.on_request_body(pb.HttpBody(body=b"", end_of_stream=True)))
-    assert last.WhichOneof("response") == "request_body" and not last.request_body.HasField("response")
-
-
-def test_one_trip_rewritten_body_replaces_the_first_chunk_and_clears_the_rest() -> None:
-    body = b'{"model": "alias", "prompt": "' + b"x" * 100 + b'"}'
-    ex, _ = make(BUFFERED, trust_gateway_headers=True)
-    hdrs = headers(x_gateway_model_name_rewrite="target", content_length=str(len(body)))
-    ex.on_request_headers(hdrs, ONE_TRIP)
-    ex.on_request_body(pb.HttpBody(body=body[:40]))
-    head, first, second = list(ex.on_request_body(pb.HttpBody(body=body[40:], end_of_stream=True)))
-    new_body = first.request_body.response.body_mutation.body
-    assert json.loads(new_body)["model"] == "target"
-    assert second.request_body.response.body_mutation.clear_body
-    assert dest(head.request_headers.response)["content-length"] == str(len(new_body))
-
-
-@pytest.mark.parametrize(
-    ("body", "status"),
-    [
-        (b'{"model": "m", "prompt": "unterminated', 400),
-        (b'{"prompt": "no model"}', 400),
-        (b'{"model": "\xff"}', 400),
-    ],
-)
-def test_one_trip_bad_body_is_a_4xx_at_its_end(body: bytes, status: int) -> None:
-    ex, _ = make(BUFFERED)
-    ex.on_request_headers(headers(), ONE_TRIP)
-    ex.on_request_body(pb.HttpBody(body=body[:10]))
-    with pytest.raises(PickerError) as err:
-        ex.on_request_body(pb.HttpBody(body=body[10:], end_of_stream=True))
-    assert err.value.status == status and ex.ticket is None
-
-
-def test_one_trip_oversize_body_is_refused_at_the_chunk_that_crosses_the_limit() -> None:
-    ex, _ = make(BUFFERED)
-    ex.on_request_headers(headers(), ONE_TRIP)
-    assert ex.on_request_body(pb.HttpBody(body=b"x" * (1 << 19))) == []
-    with pytest.raises(BodyTooLarge):
-        ex.on_request_body(pb.HttpBody(body=b"x" * (1 << 19) + b"x"))
-
-
-async def test_one_trip_through_the_service_answers_every_chunk_in_order() -> None:
-    """The service's path (the body taken out of each message once, the pick off the loop where
-    it must be): HTTP/1.1's data chunk completes the declared length and is answered with the
-    headers; the empty end-of-stream chunk after it gets its own answer."""
-    svc, telemetry, pool = _service()
-    body = json.dumps({"model": "m", "prompt": "é" * 5000}, ensure_ascii=False).encode()
-    cut = body.index("é".encode()) + 1
-    first = pb.ProcessingRequest(
-        request_headers=headers(content_length=str(len(body))), protocol_config=ONE_TRIP
-    )
-    out = await svc.answers(
-        _stream(
-            first,
-            pb.ProcessingRequest(request_body=pb.HttpBody(body=body[:cut])),
-            pb.ProcessingRequest(request_body=pb.HttpBody(body=body[cut:])),
-            pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True)),
-        )
-    )
-    kinds = [o.WhichOneof("response") for o in out]
-    assert kinds == ["request_headers", "request_body", "request_body", "request_body"], kinds
-    assert DEST_HEADER in dest(out[0].request_headers.response)
-    assert _sample_count(telemetry, "inference_extension_scheduler_e2e_duration_seconds") == 1
-    assert sum(s.load.in_flight_requests for s in pool) == 0, "the stream's end ends the request"

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from picker.core.config import PrefixConfig, RouterConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
-from picker.core.prefix.precise import PreciseIndex, chain_keys, request_keys
+from picker.core.prefix.precise import PreciseIndex, State, Sync, chain_keys, request_keys
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
 from picker.feeds import events as events_mod
-from picker.feeds.events import BadEvent, Cleared, Removed, State, Stored, Sync, apply, decode_batch
+from picker.feeds.events import BadEvent, Cleared, Removed, Stored, apply, decode_batch
 from replica.sim import kv_events as sim_events
 from replica.sim.blocks import Cleared as SimCleared
 from replica.sim.blocks import Removed as SimRemoved

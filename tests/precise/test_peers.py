@@ -15,10 +15,11 @@ from kvlaunch import free_port
 from picker.core.config import PrefixConfig, RouterConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
+from picker.core.prefix.precise import State, Sync
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
-from picker.feeds.events import State, Sync
 from picker.feeds.peers import Peers, resolve, zmq_address
+from picker.feeds.scrape import Scraper
 
 pytestmark = pytest.mark.precise
 EPS = [Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000), Endpoint("10.0.0.3", 8000)]
@@ -34,11 +35,15 @@ def router(mode: str) -> Router:
 
 
 @contextlib.asynccontextmanager
-async def pair(mode: str) -> AsyncIterator[tuple[Router, Router, Peers, Peers]]:
+async def pair(
+    mode: str, scraper_b: Callable[[Router], Scraper] | None = None
+) -> AsyncIterator[tuple[Router, Router, Peers, Peers]]:
+    """Two pickers' peer channels; ``scraper_b`` makes B's scraper (B then shares scrapes)."""
     pa, pb = free_port(), free_port()
     a, b = router(mode), router(mode)
     peer_a = Peers(a, f"tcp://127.0.0.1:{pa}", [f"tcp://127.0.0.1:{pb}"], "a")
-    peer_b = Peers(b, f"tcp://127.0.0.1:{pb}", [f"tcp://127.0.0.1:{pa}"], "b")
+    scraper = scraper_b(b) if scraper_b is not None else None
+    peer_b = Peers(b, f"tcp://127.0.0.1:{pb}", [f"tcp://127.0.0.1:{pa}"], "b", scraper=scraper)
     tasks = [asyncio.create_task(p.run()) for p in (peer_a, peer_b)]
     await asyncio.sleep(0.5)  # slow joiner
     try:
@@ -237,11 +242,11 @@ async def test_scrape_batches_are_checked_and_unseen_by_older_pickers() -> None:
     (subscribed to ``pick`` and ``load`` only) is never sent one; a peer that shares scrapes
     becomes an owner of some endpoints, and a peer that does not never does."""
     from picker.core.config import ScrapeConfig
-    from picker.feeds.scrape import Outcome, Scraper, metrics_to_wire, parse_metrics
+    from picker.feeds.scrape import Outcome, metrics_to_wire, parse_metrics
 
-    async with pair("precise") as (_, b, peer_a, peer_b):
-        scraper = Scraper(b.pool, ScrapeConfig())
-        peer_b.scraper = scraper
+    async with pair("precise", lambda r: Scraper(r.pool, ScrapeConfig())) as (_, b, peer_a, peer_b):
+        scraper = peer_b.scraper
+        assert scraper is not None
         old = zmq.Context.instance().socket(zmq.SUB)
         old.connect(f"tcp://127.0.0.1:{peer_a._pub.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(':', 1)[1]}")
         for topic in (b"pick", b"load"):

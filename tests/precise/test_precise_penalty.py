@@ -9,10 +9,10 @@ import pytest
 from picker.core import config as picker_config
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
+from picker.core.prefix.precise import State, Sync
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
 from picker.core.scheduling.cost import CostScorer
-from picker.feeds.events import State, Sync
 
 pytestmark = pytest.mark.precise
 EPS = [Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)]

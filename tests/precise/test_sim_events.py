@@ -21,8 +21,8 @@ import zmq
 import zmq.asyncio
 
 from kvlaunch import PY, Procs, free_port, post_json, wait_port
-from picker.core.prefix.precise import PreciseIndex, request_keys
-from picker.feeds.events import State, Subscriber
+from picker.core.prefix.precise import PreciseIndex, State, request_keys
+from picker.feeds.events import Subscriber
 from replica.sim.blocks import chain_hashes
 from tests.sim.test_kv_events import MODEL, Replay, ids
 

@@ -169,10 +169,9 @@ async def test_ext_proc_tokenizes_short_bodies_on_the_loop(
     from picker.core.config import PrefixConfig, RouterConfig
     from picker.core.endpoints.pool import Pool
     from picker.core.endpoints.types import Endpoint
-    from picker.core.prefix.precise import request_keys
+    from picker.core.prefix.precise import State, Sync, request_keys
     from picker.core.router import Router
-    from picker.feeds.events import State, Sync
-    from picker.serving.extproc import ExtProcService
+    from tests.support import picking
 
     pool = Pool()
     pool.set_endpoints([Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)])
@@ -200,7 +199,10 @@ async def test_ext_proc_tokenizes_short_bodies_on_the_loop(
     import threading
 
     calls: list[tuple[str, str]] = []
-    encode, encode_now = router.tokenize, router.tokenize_now
+    svc = picking.service(router)
+    local = svc.director.tokenization.local
+    assert local is not None, "a local tokenizer is configured"
+    encode, encode_now = local.encode, local.try_encode
 
     def spy(*a: Any) -> Any:
         calls.append(("thread", threading.current_thread().name))
@@ -210,10 +212,10 @@ async def test_ext_proc_tokenizes_short_bodies_on_the_loop(
         calls.append(("loop", threading.current_thread().name))
         return encode_now(*a)
 
-    router.tokenize = spy  # type: ignore[method-assign]
-    router.tokenize_now = spy_now  # type: ignore[method-assign]
-    out = await ExtProcService(router).answers(stream())
-    # the first call tokenizes; the pick's own call later finds the ids already there
+    local.encode = spy  # type: ignore[method-assign]
+    local.try_encode = spy_now  # type: ignore[method-assign]
+    out = await svc.answers(stream())
+    # the first call tokenizes, where the body's size says
     assert out and calls and calls[0][0] == where, calls
     assert (calls[0][1] == "MainThread") == (where == "loop"), calls
     chosen = next(

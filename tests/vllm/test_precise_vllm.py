@@ -24,9 +24,9 @@ import pytest
 import zmq.asyncio
 
 from kvlaunch import Procs, free_port, post_json
-from picker.core.prefix.precise import PreciseIndex, request_keys
+from picker.core.prefix.precise import PreciseIndex, State, request_keys
 from picker.core.tokenize import load
-from picker.feeds.events import State, Subscriber
+from picker.feeds.events import Subscriber
 from picker.feeds.remote_tokenizer import RemoteTokenizer
 from tests.support.vllm import vllm_server
 

@@ -41,9 +41,11 @@ is O(blocks), not O(blocks × endpoints).
 
 from __future__ import annotations
 
+import enum
 from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -371,3 +373,28 @@ class PreciseIndex:
                 want[k] = want.get(k, 0) | (1 << s)
         assert want == self._mask, "the key → slots bitmask disagrees with the per-endpoint tables"
         assert self._spec_count == sum(len(u) for u in self._spec_until.values()), "speculative count drifted"
+
+
+class State(enum.Enum):
+    """Where an endpoint's KV-event stream stands, as the router reads it (:meth:`Router.is_precise`)."""
+
+    WAITING = "waiting"
+    """No message yet (nothing known: an idle replica publishes nothing)."""
+    SYNCED = "synced"
+    """Every batch since the engine's seq 0 (or a replay) applied: the index is exact."""
+    REFILL = "refill"
+    """Entries dropped after an unrecoverable gap; approximate routing until ``refill_until``."""
+
+
+@dataclass
+class Sync:
+    """One endpoint's position in its KV-event stream. Writer: that endpoint's subscriber task
+    (:class:`picker.feeds.events.Subscriber`), or cluster mode's replay; the router only reads it."""
+
+    state: State = State.WAITING
+    expected: int | None = None
+    refill_until: float = 0.0
+    gaps: int = 0
+    restarts: int = 0
+    bad: int = 0
+    skipped_stores: int = 0
