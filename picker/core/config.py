@@ -41,8 +41,12 @@ class IndexConfig:
     """Default per-endpoint LRU capacity, in hash blocks; replaced per endpoint by the capacity
     derived from its ``vllm:cache_config_info`` once scraped (``derive_capacity``)."""
     segments: int = 4
+    """Segments of each endpoint's LRU (a segmented LRU: a block hit again moves up a segment)."""
     chars_per_token: float = 4.0
+    """Characters of prompt text per token, to turn text blocks into token counts (approximate mode)."""
     derive_capacity: bool = True
+    """Size each endpoint's LRU from its scraped ``vllm:cache_config_info`` (block size × GPU
+    blocks) instead of ``capacity_blocks``."""
     max_derived_capacity_blocks: int = 1_000_000
     """Upper bound on a derived capacity, in hash blocks (about 88 MB of index per endpoint at
     ~88 B per entry): a replica reporting a huge ``num_gpu_blocks`` cannot make its LRU unbounded.
@@ -59,8 +63,12 @@ class IndexConfig:
 @dataclass(frozen=True)
 class ScrapeConfig:
     interval_s: float = 0.2
+    """Seconds between two scrapes of one endpoint's ``/metrics``."""
     timeout_s: float = 1.0
+    """Seconds one scrape may take before it counts as failed."""
     stale_after_s: float = 2.0
+    """With no successful scrape for this long an endpoint is DEGRADED (still routable); with
+    several pickers, also how long a scrape's owner may stay silent before a peer scrapes it itself."""
     unreachable_after: int = 3
     """Consecutive failed scrapes before an endpoint is marked unreachable."""
     health_path: str = "/health"
@@ -76,7 +84,7 @@ PREFIX_MODES = ("approximate", "precise", "auto")
 
 @dataclass(frozen=True)
 class PrefixConfig:
-    """Where prefix matches come from (README "Approximate and precise prefix matching").
+    """Where prefix matches come from (docs/routing.md#approximate-and-precise-prefix-matching).
 
     - ``approximate``: the picker's own record of what it sent where (text blocks, per-endpoint LRU).
     - ``precise``: the replicas' KV events (token blocks as the engine caches them) for every
@@ -86,6 +94,7 @@ class PrefixConfig:
     ``tokenizer.json`` and ``tokenizer_config.json``, or a ``tokenizer.json`` path)."""
 
     mode: str = "approximate"
+    """``approximate``, ``precise`` or ``auto`` (above)."""
     kv_events_port: int = 5557
     """vLLM's ``--kv-events-config`` ``endpoint`` port, the same on every replica."""
     kv_events_replay_port: int = 0
@@ -105,29 +114,28 @@ class PrefixConfig:
     max_blocks_per_endpoint: int = 1_000_000
     """Bound on indexed blocks per endpoint (about 150 B each); past it the endpoint is dropped."""
     tokenizer: str = ""
-    """The model's tokenizer for precise matching: a directory holding ``tokenizer.json`` and
-    ``tokenizer_config.json``, or a ``tokenizer.json`` path ("": none)."""
+    """The model's tokenizer for precise matching of text prompts: a directory holding
+    ``tokenizer.json`` and ``tokenizer_config.json``, or a ``tokenizer.json`` path ("": none)."""
     tokenizer_cache_entries: int = 64
     """Texts whose tokenization is kept for reuse by requests sharing their prefix (0: off; off
     for a tokenizer that does not split words at whitespace, see ``picker.core.tokenize.cache``)."""
     tokenize_inline_bytes: int = 4096
-    """Bodies under this many bytes are tokenized on the event loop (about 0.3 ms for 1 KB here),
-    larger ones in a thread (0: always in a thread). The thread hop costs two wake-ups (the
-    worker's, then the loop's); on cores the engines keep busy each can wait a scheduler slice,
-    which cost more than tokenizing a short prompt (bench.real --split, shared-prefix)."""
+    """Bodies under this many bytes are tokenized on the event loop, larger ones in a thread (0:
+    always in a thread). The thread hop costs two wake-ups (the worker's, then the loop's), each
+    of which can wait for a core the engines hold; for a short prompt that costs more than the
+    tokenizing (figures: bench/results/real.md)."""
     precise_miss_penalty: float = 2.0
     """In a precise cycle (the KV events say what each endpoint holds), every ``cost`` scorer left
     at its default ``miss_penalty`` (1.0) charges a miss this much instead: an exact miss is a
     second copy of a prefix that another endpoint really holds, where an approximate one may be
-    a guess. Measured in cluster mode (Mooncake, 8 x H100 8B): 0.325 -> 0.337 of a 0.346 LRU
-    ceiling, TTFT p50 / p90 about equal, p99 +5% (README). 1.0: as in approximate mode."""
+    a guess (cluster-mode figures: bench/results/pickers.md). 1.0: as in approximate mode."""
     remote_tokenize: bool = True
     """Without ``tokenizer``, ask a ready replica's vLLM ``/tokenize`` for the prompt's ids
     (``picker.feeds.remote_tokenizer``); false: such text prompts are matched approximately."""
     remote_tokenize_timeout_s: float = 0.5
-    """Seconds one ``/tokenize`` call may take; past it the request is matched approximately."""
+    """Longest wait for a replica's ``/tokenize``; past it the request is matched approximately."""
     remote_tokenize_cache_entries: int = 256
-    """``/tokenize`` answers kept, keyed by the tokenize body (0: none)."""
+    """Request bodies whose remote token ids are kept, so a repeated prompt costs no round trip."""
 
     @property
     def tokenizes(self) -> bool:
@@ -162,6 +170,7 @@ class PrefixConfig:
 @dataclass(frozen=True)
 class RouterConfig:
     policy: str = "cost"
+    """The profile that routes: a built-in policy or one under ``profiles``."""
     hashing: HashConfig = field(default_factory=HashConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
@@ -173,9 +182,14 @@ class RouterConfig:
     one ``ip:port`` and routes nothing when it holds a list: keep 0 there. An ``override_host``
     upstream (deploy/envoy/envoy-fallback.yaml, Istio, GKE) takes the list and retries down it."""
     max_body_bytes: int = 8 * 1024 * 1024
+    """Largest request body accepted, in bytes; a larger one is answered 413."""
     lora_adapters: frozenset[str] = frozenset()
+    """Model names that are LoRA adapters: a request naming one is hashed with the adapter folded
+    in (as vLLM's extra keys) and scored by ``lora-affinity``."""
     profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: dict(BUILTIN_POLICIES))
+    """Policy name → ``{filters, scorers, picker}``, laid over the built-in policies."""
     rate_ewma_alpha: float = 0.2
+    """Weight of the newest observation in the accounting's moving averages."""
     objectives: Mapping[str, int] = field(default_factory=dict)
     """Objective name (``x-gateway-inference-objective``) → priority, as InferenceObjective's
     ``priority``: negative is sheddable (429 when the pool is saturated), 0 or more is not."""
@@ -186,7 +200,7 @@ class RouterConfig:
     much prefill, never its base64 length, and is hashed by a digest of its content."""
     parse_offload_bytes: int = 512 * 1024
     """Bodies of at least this many bytes are parsed in a worker process, off the event loop
-    (0: always inline). Below it parsing costs the loop about 1 ms per 100 KiB."""
+    (0: always inline)."""
     trust_gateway_headers: bool = False
     """Honour ``x-gateway-model-name-rewrite``. Only a gateway may set it: turn this on only where
     the gateway strips a client-sent copy and sets its own (else any client picks the model)."""
