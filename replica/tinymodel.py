@@ -1,6 +1,7 @@
 """``python -m replica.tinymodel DIR``: build a tiny random Llama that real vLLM (CPU) can serve.
 
-Sizes follow DESIGN §5 (hidden 256, 4 heads of 64, 2 KV heads, 2 layers, vocab 2048), with a
+Sizes follow docs/design.md#environment-facts (hidden 256, 4 heads of 64, 2 KV heads, 2 layers,
+vocab 2048), with a
 byte-level BPE tokenizer trained locally with ``tokenizers`` on generated text. Nothing is
 downloaded; the weights are random (seeded), so the output is gibberish, but prefix caching,
 scheduling and metrics behave as with a real model. Needs ``transformers`` and ``torch`` (the

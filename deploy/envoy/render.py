@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Render an Envoy config for the kvpick picker (GIE endpoint-picker protocol, DESIGN §3).
+"""Render an Envoy config for the kvpick picker (GIE endpoint-picker protocol:
+docs/design.md#the-endpoint-picker-protocol).
 
     python deploy/envoy/render.py -o deploy/envoy/envoy.yaml             # committed: the default
     python deploy/envoy/render.py --upstream pool --endpoints 127.0.0.1:8001,127.0.0.1:8002 \\

@@ -20,7 +20,8 @@ events, delivered ``--event-delay-s`` after the engine step that produced them. 
 real path: vLLM's wire encoding (``replica.sim.kv_events``), msgpack, the picker's decoder
 (``picker.feeds.events``). Requests then carry their token ids, as a tokenizing picker sees them.
 
-Next to the measured hit rate it reports the two ceilings of DESIGN §6, on the same token blocks
+Next to the measured hit rate it reports the two ceilings of docs/design.md#hit-rate-ceilings, on
+the same token blocks
 the engines cache (``replica.sim.ceilings``, over the requests sent, in send order): the infinite
 single cache (``ideal_hit_rate``) and one LRU cache holding all replicas' KV blocks together
 (``lru_hit_rate``, capacity ``lru_capacity_blocks``). Ties between equal endpoints are broken by

@@ -1,4 +1,5 @@
-"""vLLM-format KV-cache events over ZMQ PUB (DESIGN §4), so that precise-mode consumers follow
+"""vLLM-format KV-cache events over ZMQ PUB (docs/design.md#vllm-facts), so that precise-mode
+consumers follow
 the simulator exactly as they follow vLLM.
 
 Wire format, as vLLM 0.32's ``ZmqEventPublisher`` and ``vllm/distributed/kv_events.py``:

@@ -1,5 +1,5 @@
 """The simulator's ``/metrics``, with vLLM 0.32's names, label sets and buckets
-(``vllm/v1/metrics/loggers.py``, ``vllm/v1/metrics/buckets.py``, DESIGN §4):
+(``vllm/v1/metrics/loggers.py``, ``vllm/v1/metrics/buckets.py``, docs/design.md#vllm-facts):
 
 - gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
   (0–1), and counters ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (tokens),

@@ -254,7 +254,8 @@ def make_app(
 
 
 async def serve(app: web.Application, engine: AsyncEngine, host: str, port: int) -> None:
-    """Serve until cancelled; the socket has TCP_NODELAY (DESIGN §5: delayed-ACK stalls)."""
+    """Serve until cancelled; the socket has TCP_NODELAY (delayed-ACK stalls:
+    docs/design.md#environment-facts)."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

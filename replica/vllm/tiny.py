@@ -1,5 +1,6 @@
 """Real vLLM-CPU serving the tiny model (``replica.tinymodel``): the environment and command line
-that tests and benchmarks share (DESIGN §5: block size a multiple of 32, 1 GiB of KV cache,
+that tests and benchmarks share (docs/design.md#environment-facts: block size a multiple of 32,
+1 GiB of KV cache,
 offline, ``VLLM_SERVER_DEV_MODE`` for ``POST /reset_prefix_cache``)."""
 
 from __future__ import annotations

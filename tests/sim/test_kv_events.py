@@ -154,7 +154,8 @@ def expected(e: Event, lora_ids: dict[str, int]) -> dict[str, Any]:
 
 class Consumer:
     """What a precise-mode subscriber knows: a multiset of cached hashes, rebuilt from events,
-    with each stored hash recomputed from its token ids (llm-d's practice, DESIGN §4)."""
+    with each stored hash recomputed from its token ids (llm-d's practice:
+    docs/design.md#vllm-facts)."""
 
     def __init__(self) -> None:
         self.cached: collections.Counter[int] = collections.Counter()

@@ -1,4 +1,5 @@
-"""Drive vLLM's real V1 Scheduler with no model (DESIGN §5 recipe): build it on a real KV cache
+"""Drive vLLM's real V1 Scheduler with no model (the recipe in docs/design.md#environment-facts):
+build it on a real KV cache
 config, add requests, and feed back one sampled token per scheduled request."""
 
 from __future__ import annotations

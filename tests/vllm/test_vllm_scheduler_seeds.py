@@ -1,4 +1,5 @@
-"""Seed problems 1 and 2 on vLLM's real V1 Scheduler (no model execution; DESIGN §5 recipe):
+"""Seed problems 1 and 2 on vLLM's real V1 Scheduler (no model execution; the recipe in
+docs/design.md#environment-facts):
 admission counts only uncached blocks, and cached tokens are not charged to the token budget.
 Each assertion would fail under the old behaviour (charging or reserving for the whole prompt)."""
 

@@ -62,7 +62,8 @@ checked per endpoint, twice per pick."""
 
 @dataclass(slots=True)
 class EndpointMetrics:
-    """What the scraper last read from the replica's ``/metrics`` (vLLM names, DESIGN §4)."""
+    """What the scraper last read from the replica's ``/metrics`` (vLLM names:
+    docs/design.md#vllm-facts)."""
 
     waiting: float = 0.0
     running: float = 0.0
