@@ -73,7 +73,7 @@ bench-hardware: $(STAMP_CORE)
 	$(PY) -m bench.hardware --out bench/results/hardware.md
 
 # Images need a Docker engine (with BuildKit); each target prints SKIPPED without one. Not part of
-# `make test`. See README "Images and the Docker end-to-end test".
+# `make test`. See docs/install.md#images-and-the-docker-end-to-end-test.
 images:  ## picker, sim, replica-cpu (IMAGES=..., BASE_IMAGE=..., see deploy/docker/build.sh)
 	bash deploy/docker/build.sh
 

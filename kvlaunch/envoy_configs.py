@@ -12,7 +12,7 @@ from .procs import ROOT, free_port
 from .stack import Stack
 
 CONTRACT = "127.0.0.1:8001,127.0.0.1:8002"
-"""The endpoints the committed configs name: the README's picker/replica pair."""
+"""The endpoints the committed configs name: the replica pair of docs/install.md's plain-Envoy setup."""
 
 SHIPPED: dict[str, list[str]] = {
     "envoy.yaml": [],

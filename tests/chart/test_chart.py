@@ -361,8 +361,8 @@ def test_providers(provider: str) -> None:
 
 
 def test_install_guide_values_render() -> None:
-    """docs/install-gpu-cluster.md's values file is valid for this chart and does what it says."""
-    guide = (ROOT / "docs" / "install-gpu-cluster.md").read_text()
+    """docs/install.md's values file is valid for this chart and does what it says."""
+    guide = (ROOT / "docs" / "install.md").read_text()
     block = next(b for b in guide.split("```yaml\n")[1:] if b.startswith("# my-values.yaml"))
     values = yaml.safe_load(block.split("```")[0])
     docs = render(values)

@@ -59,10 +59,8 @@ class LoadGuardFilter:
     It is a backstop, not the balancer: the cost scorer already prices queued prefill. The load
     counted here is mostly running decodes, which swing by a dozen per replica under ordinary
     traffic; with ``abs_slack`` 8 the guard tripped on those swings and split prefixes that
-    needed no split (cluster mode, shared prefix 16 x 16 at 40 req/s on 4 H100s, profile
-    ``cost-guard8`` in bench/configs/cost-variants.yaml: hit rate 0.857 against 0.882, TTFT p90
-    0.075 s against 0.021 s; the README's "Benchmarks" has the command). SGLang's router and
-    vllm-router use 64.
+    needed no split (profile ``cost-guard8`` in bench/configs/cost-variants.yaml; figures in
+    bench/results/2026-11-27-readme-archive.md). SGLang's router and vllm-router use 64.
     """
 
     rel: float = 1.5
