@@ -179,10 +179,11 @@ def config_markdown(root: type) -> str:
 def plugins_markdown(tables: Iterable[tuple[str, Mapping[str, type]]]) -> str:
     """The plugins a profile names by ``type``, with the ``params`` each takes."""
     out = [
-        "## Plugins (`profiles.<name>.filters|scorers|picker`)",
+        "## Plugins",
         "",
-        "A profile lists plugins by `type`; `params` overlay the plugin's defaults (an unknown "
-        "parameter is an error); a scorer also takes a `weight` (default 1).",
+        "A profile (`profiles.<name>`) lists its `filters`, `scorers` and `picker` by `type`; `params` "
+        "overlay the plugin's defaults (an unknown parameter is an error); a scorer also takes a "
+        "`weight` (default 1).",
         "",
     ]
     for kind, table in tables:

@@ -38,14 +38,11 @@ where ``n`` is the number of the endpoint's scrape deltas with that kind of work
 few requests each, and a request's prefill time depends on what happened to be batched with it
 (a decode-heavy batch, another prefill's chunk, a cached context to attend to), so one delta is
 off by tens of percent, and on a shared CPU by more. At ``n = 32`` the factor counts half, at
-128 four fifths; a factor within ``factor_dead_band`` (30%) of 1 counts as 1. (On two real
-vLLM-CPU replicas of one model, bench/results/real.md, cold traffic still went mostly to one
-of them with these defaults, as with a prior of 8 and a 15% band; there even least-loaded
-and vllm-router split the control 16 / 48, so those replicas were not equally fast.) This is
-what lets a mixed pool (an H100 beside an A100, a replica with a noisy neighbour) get per-endpoint speeds without the noise of
-per-endpoint estimates on identical replicas that made the old ``per_endpoint_rate`` chase
-endpoints away from their caches (cluster mode, 64 H100s: hit rate 0.64 → 0.42). Sums decay by
-``1 - 1 / window`` per delta, so the model follows a replica that slows down.
+128 four fifths; a factor within ``factor_dead_band`` (30%) of 1 counts as 1. This is what lets a
+mixed pool (an H100 beside an A100, a replica with a noisy neighbour) get per-endpoint speeds
+without the noise of per-endpoint estimates on identical replicas, which chase endpoints away from
+their caches (figures: bench/results/hardware.md). Sums decay by ``1 - 1 / window`` per delta, so
+the model follows a replica that slows down.
 
 Until the pool has seen any work the model is :class:`CalibrationConfig`'s defaults (an H100
 running an 8B model) and says so (``source``).
@@ -82,7 +79,7 @@ class CalibrationConfig:
     """Standard deviation of the running count (requests) needed to fit the step line's slope."""
     batch_shape: float = 0.05
     """Without that spread: the step's growth per running request, relative to its base (a
-    decode step is mostly fixed cost; the tiny model on vLLM-CPU measured 0.06 here)."""
+    decode step is mostly fixed cost)."""
     factor_dead_band: float = 0.3
     """A shrunk factor within this fraction of 1 is 1: identical replicas measure a few percent
     apart, and ranking on that difference would send every cold request to whichever looks
@@ -101,9 +98,8 @@ class CalibrationConfig:
     is multiplied by ``1 - 1/idle_fade`` per further idle scrape: it halves in about 11 (2 s at
     200 ms). Short idle gaps between requests do not fade it. Without this a replica
     measured slow once (a burst of contention, a stall) gets no traffic, so no new evidence,
-    and keeps its factor for ever: on two real vLLM-CPU replicas, after one stalled for 10 s,
-    every later cold request went to the other (64 / 0 on the no-sharing control). As the
-    count fades its factor shrinks back to 1, and it is tried again."""
+    and keeps its factor for ever. As the count fades its factor shrinks back to 1, and it is
+    tried again."""
 
     def __post_init__(self) -> None:
         if (

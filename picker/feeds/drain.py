@@ -50,12 +50,10 @@ log = logging.getLogger(__name__)
 MAX_PER_WAKE = 256
 TRIGGERS = ("pick", "message", "timer")
 INTERVAL_S = 0.05
-"""Default :attr:`Inbox.interval_s` (``--message-interval``). Measured (bench/results/peer_messages.md):
-3 pickers at 30 req/s each take about 70 messages a second (one wake-up each before the inbox);
-at 25 ms each read 10 times a second before a pick and 30 on its timer (1.6 messages per read), at
-50 ms 10 and 15 times (2.8 per read). A routing picker reads before
-each pick anyway, so the interval bounds only what a non-routing picker's view lags by (its
-metrics, a peer's heartbeat: 0.25 s, or a dead replica's outcome: the scrape bound is 0.6 s)."""
+"""Default :attr:`Inbox.interval_s` (``--message-interval``), in seconds. A routing picker reads
+before each pick anyway, so the interval bounds only what a non-routing picker's view lags by (its
+metrics, a peer's heartbeat: 0.25 s, or a dead replica's outcome: the scrape bound is 0.6 s).
+Reads per second at 25 and 50 ms: bench/results/peer_messages.md."""
 
 
 class Drain:

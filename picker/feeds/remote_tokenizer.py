@@ -12,8 +12,7 @@ ids of the request's prompt, with vLLM's own semantics: ``/v1/completions`` bodi
 - Cached: the ids of the last ``cache_entries`` tokenize bodies (keyed by their xxh3-64 and
   length; ids kept as 4-byte arrays, at most ``cache_tokens`` in all), so a repeated prompt costs
   no round trip. Unlike the local tokenizer, a shared prefix alone is not reused: each new prompt
-  costs one round trip (against vLLM-CPU's tiny model: 3.1 ms median and 0.65 ms of CPU here,
-  ``tests/vllm/test_precise_vllm.py``).
+  costs one round trip (its cost against vLLM-CPU: bench/results/2026-11-27-readme-archive.md).
 - Media (non-text content parts) and prompt lists give None: vLLM's multimodal blocks carry
   extra hash keys the picker does not reproduce.
 

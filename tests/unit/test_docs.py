@@ -32,7 +32,9 @@ def test_every_flag_and_metric_is_in_the_reference() -> None:
     from picker.serving.telemetry import Telemetry
 
     page = docgen.configuration_page()
-    flags = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    flags = {
+        o for a in build_parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"
+    }
     assert flags and not sorted(f for f in flags if f"`{f}`" not in page)
     registry = CollectorRegistry()
     Telemetry(registry=registry)
