@@ -1,5 +1,6 @@
-"""Envoy ``ext_proc`` protocol for the GIE endpoint-picker contract 
-(docs/design.md#the-endpoint-picker-protocol). Protocol only: each request's steps (parse, tokenize, route, start, recredit, finish, telemetry) are the
+"""Envoy ``ext_proc`` protocol for the GIE endpoint-picker contract
+(docs/design.md#the-endpoint-picker-protocol). Protocol only: each request's steps (parse,
+tokenize, route, start, recredit, finish, telemetry) are the
 :class:`~picker.serving.director.Director`'s; this module turns Envoy messages into calls on it
 and its answers into Envoy messages. Each exchange's progress is one :class:`Phase`.
 
