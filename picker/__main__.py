@@ -1,6 +1,8 @@
 """``python -m picker``: the kvpick endpoint picker (an Envoy ext_proc service, GIE protocol).
 
-Flags shared with GIE's EPP keep GIE's names, so the picker can replace it in a deployment.
+:func:`build_parser` holds every flag and its help (the flag reference is generated from it).
+Flags shared with GIE's EPP keep GIE's names, so the picker can replace it in a deployment; GIE's
+own flags are in ``picker.serving.gie_flags``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 from typing import Any
 
 import yaml
@@ -38,87 +41,301 @@ def _bool(v: str) -> bool:
 BODY_MODES = {"full-duplex": FULL_DUPLEX, "buffered": BUFFERED}
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends ``(default: X)`` only for real defaults. A ``None`` default means "not given": the
-    routing overrides then keep the config's value, and their help names it."""
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to a flag's help where X says something: not for a ``None``
+    default (the flag is then "not given": a routing flag keeps the config file's value, and its
+    help says ``(default from config: X)`` itself), an empty one, or an on/off switch. Never
+    breaks a line inside a hyphenated flag name."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:
-            return action.help
-        return super()._get_help_string(action)
+        text = action.help or ""
+        if action.default in (None, "", argparse.SUPPRESS) or action.nargs == 0:
+            return text
+        return f"{text} (default: %(default)s)"
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = [" ".join(par.split()) for par in text.split("\n\n")]
+        return "\n\n".join(
+            textwrap.fill(par, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
+            for par in paragraphs
+        )
 
 
 def _from_config(value: object) -> str:
     return f"(default from config: {value})"
 
 
+USAGE = """%(prog)s [-h] (--endpoints IP:PORT,... | --endpoints-file PATH |
+         --pool-name NAME | --endpoint-selector KEY=VALUE,...) [FLAG ...]"""
+
+DESCRIPTION = """\
+kvpick's endpoint picker: an Envoy ext_proc service that sends each LLM request to the model
+server holding most of its prompt prefix, unless that one is overloaded. It speaks the Gateway
+API Inference Extension (GIE) endpoint-picker protocol, a drop-in for GIE's EPP; GIE's own flags
+come last. A flag whose default is "from config" replaces the --config-file value when given."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m picker", description=__doc__, formatter_class=_HelpFormatter)
+    """The picker's flags, in the order a user sets them: endpoints, ports, policy, prefix
+    matching, then the rest by topic, GIE's own flags last (``picker.serving.gie_flags``)."""
+    p = argparse.ArgumentParser(
+        prog="python -m picker",
+        usage=USAGE,
+        description=DESCRIPTION,
+        formatter_class=lambda prog: _HelpFormatter(prog, max_help_position=30),
+    )
     so, cfg = ServerOptions(), config_mod.RouterConfig()
-    gie_flags.add_flags(p)  # printed first, after the options group
-    g = p.add_argument_group("serving (GIE-compatible names)")
+    _endpoint_flags(p)
+    _port_flags(p, so)
+    _policy_flags(p, cfg)
+    _prefix_flags(p, cfg)
+    _peer_flags(p)
+    _tls_flags(p, so, cfg)
+    _limit_flags(p, so, cfg)
+    _debug_flags(p, so)
+    gie_flags.add_flags(p)
+    return p
+
+
+def _endpoint_flags(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group(
+        "endpoints",
+        "Where the model servers are: one of --endpoints, --endpoints-file, --pool-name, "
+        "--endpoint-selector (the first given wins, in that order).",
+    )
+    d.add_argument(
+        "--endpoints",
+        default=None,
+        metavar="IP:PORT,...",
+        help="a fixed list of model-server endpoints, comma-separated",
+    )
+    d.add_argument(
+        "--endpoints-file",
+        default=None,
+        metavar="PATH",
+        help="YAML file listing the endpoints; re-read when it changes",
+    )
+    d.add_argument(
+        "--pool-name",
+        default=None,
+        metavar="NAME",
+        help="Kubernetes: read endpoints from this InferencePool's selected pods (watched)",
+    )
+    d.add_argument(
+        "--pool-namespace",
+        default="default",
+        metavar="NAMESPACE",
+        help="Kubernetes namespace of the InferencePool, or of the pods for --endpoint-selector",
+    )
+    d.add_argument(
+        "--endpoint-selector",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="Kubernetes without an InferencePool: the pods with these labels are the endpoints "
+        "(needs --endpoint-target-ports)",
+    )
+    d.add_argument(
+        "--endpoint-target-ports",
+        default=None,
+        metavar="PORT,...",
+        help="with --endpoint-selector: each pod's serving ports, comma-separated (e.g. 8000,8001)",
+    )
+
+
+def _port_flags(p: argparse.ArgumentParser, so: ServerOptions) -> None:
+    g = p.add_argument_group("ports")
     g.add_argument(
-        "--grpc-port", type=int, default=so.grpc_port, help="ext_proc gRPC port (also serves gRPC health)"
+        "--grpc-port",
+        type=int,
+        default=so.grpc_port,
+        metavar="PORT",
+        help="TCP port of the ext_proc gRPC service Envoy calls (it also answers gRPC health)",
     )
     g.add_argument(
-        "--grpc-health-port", type=int, default=so.grpc_health_port, help="plaintext gRPC health port"
+        "--grpc-health-port",
+        type=int,
+        default=so.grpc_health_port,
+        metavar="PORT",
+        help="TCP port of the plaintext gRPC health service (liveness, readiness) for probes",
     )
-    g.add_argument("--metrics-port", type=int, default=so.metrics_port, help="Prometheus /metrics HTTP port")
-    g.add_argument("--host", default=so.host, help="address to bind all ports on")
     g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=so.metrics_port,
+        metavar="PORT",
+        help="TCP port of the Prometheus /metrics HTTP endpoint",
+    )
+    g.add_argument("--host", default=so.host, metavar="ADDRESS", help="IP address the ports above bind to")
+
+
+def _policy_flags(p: argparse.ArgumentParser, cfg: config_mod.RouterConfig) -> None:
+    r = p.add_argument_group("policy and load")
+    r.add_argument(
+        "--config-file",
+        default=None,
+        metavar="PATH",
+        help="kvpick's YAML config (policies, hashing, index, scrape, prefix); a GIE "
+        "EndpointPickerConfig is accepted and its plugins ignored (logged)",
+    )
+    r.add_argument(
+        "--policy",
+        default=None,
+        metavar="NAME",
+        help=f"scheduling policy: {', '.join(cfg.profiles)}, or one the config file defines "
+        f"{_from_config(cfg.policy)}",
+    )
+    r.add_argument(
+        "--fallbacks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="fallback endpoints named after the primary, a count (> 0 only behind Envoy's "
+        f"override_host) {_from_config(cfg.fallbacks)}",
+    )
+    r.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=f"seconds between /metrics polls of each endpoint (its load) {_from_config(cfg.scrape.interval_s)}",
+    )
+
+
+def _prefix_flags(p: argparse.ArgumentParser, cfg: config_mod.RouterConfig) -> None:
+    r = p.add_argument_group("prefix matching")
+    r.add_argument(
+        "--prefix-mode",
+        choices=config_mod.PREFIX_MODES,
+        default=None,
+        help="where prefix matches come from: approximate (the picker's own picks), precise (the "
+        "replicas' KV events), auto (precise for each endpoint whose events arrive) "
+        f"{_from_config(cfg.prefix.mode)}",
+    )
+    r.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="directory with the model's tokenizer.json and tokenizer_config.json, to tokenize text "
+        "prompts for precise matching (without it: the replicas' /tokenize)",
+    )
+    r.add_argument(
+        "--tokenize-inline-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="with --tokenizer: bodies under this many bytes are tokenized on the event loop, larger "
+        f"ones in a thread; 0: always in a thread {_from_config(cfg.prefix.tokenize_inline_bytes)}",
+    )
+    r.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="approximate matching: bytes of prompt text per hashed block "
+        f"{_from_config(cfg.hashing.block_size)}",
+    )
+    r.add_argument(
+        "--index-capacity",
+        type=int,
+        default=None,
+        metavar="BLOCKS",
+        help="approximate matching: blocks remembered per endpoint (LRU), until its "
+        f"cache size is scraped {_from_config(cfg.index.capacity_blocks)}",
+    )
+    r.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="precise matching: TCP port of the replicas' KV-event ZMQ PUB socket, the same on "
+        f"every endpoint's address {_from_config(cfg.prefix.kv_events_port)}",
+    )
+    r.add_argument(
+        "--kv-events-replay-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="precise matching: TCP port of the replicas' KV-event replay (ZMQ ROUTER) socket; 0: "
+        f"none {_from_config(cfg.prefix.kv_events_replay_port)}",
+    )
+    r.add_argument(
+        "--data-parallel-ports",
+        default=None,
+        metavar="PORT,...",
+        help="serving ports of data-parallel ranks 0..N-1 (e.g. 8000,8001): the endpoint on the r-th "
+        "is subscribed at the KV-event ports + r, where vLLM's rank r publishes "
+        f"{_from_config(cfg.prefix.data_parallel_ports or 'none')}",
+    )
+
+
+def _peer_flags(p: argparse.ArgumentParser) -> None:
+    r = p.add_argument_group(
+        "peers and workers", "Several pickers (processes or replicas) share their picks over ZMQ."
+    )
+    r.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="picker processes in this pod, sharing its ports (SO_REUSEPORT) and their picks",
+    )
+    r.add_argument(WORKER_FLAG, type=int, default=0, help=argparse.SUPPRESS)
+    r.add_argument("--worker-dir", default="", help=argparse.SUPPRESS)
+    r.add_argument(
+        "--peer-bind",
+        default="",
+        metavar="ZMQ_ADDRESS",
+        help="publish this picker's picks to its peer replicas on this ZMQ address (e.g. tcp://*:5560)",
+    )
+    r.add_argument(
+        "--peers",
+        default="",
+        metavar="ZMQ_ADDRESS,...",
+        help="the other picker replicas' --peer-bind addresses, comma-separated (e.g. tcp://10.0.0.7:5560)",
+    )
+    r.add_argument(
+        "--peers-dns",
+        default="",
+        metavar="HOST:PORT",
+        help="a name (a headless Service) whose addresses are the picker replicas' --peer-bind, "
+        "re-resolved every 5 s so restarted and added replicas are found; needs --peer-bind",
+    )
+    r.add_argument(
+        "--message-interval",
+        type=float,
+        default=INTERVAL_S,
+        metavar="SECONDS",
+        help="KV events and peer messages are read before each pick, and otherwise at most once "
+        "per this many seconds, so a burst costs one wake-up; in (0, 60]",
+    )
+
+
+def _tls_flags(p: argparse.ArgumentParser, so: ServerOptions, cfg: config_mod.RouterConfig) -> None:
+    s = p.add_argument_group("TLS and trust")
+    s.add_argument(
         "--secure-serving",
         type=_bool,
         default=so.secure_serving,
         metavar="BOOL",
-        help="serve ext_proc over TLS (self-signed unless --cert-path); false for plaintext",
+        help="serve ext_proc over TLS (self-signed certificate unless --cert-path), as GIE's EPP "
+        "does; false: plaintext",
     )
-    g.add_argument("--cert-path", default=None, help="directory holding tls.crt and tls.key")
-    g.add_argument(
+    s.add_argument(
+        "--cert-path",
+        default=None,
+        metavar="DIR",
+        help="directory holding tls.crt and tls.key for --secure-serving (without it: a "
+        "self-signed certificate made at start)",
+    )
+    s.add_argument(
         "--enable-cert-reload",
         type=_bool,
         default=so.enable_cert_reload,
         metavar="BOOL",
-        help="re-read the certificate in --cert-path when it changes",
-    )
-    g.add_argument("--config-file", default=None, help="YAML config (policies, hashing, index, scrape)")
-    g.add_argument(
-        "--max-concurrent-streams",
-        type=int,
-        default=so.max_concurrent_streams,
-        help="cap on concurrent ext_proc streams (health checks on the same port are not "
-        "counted); over it a stream is refused (RESOURCE_EXHAUSTED) and Envoy's failure mode "
-        "applies; 0 for no cap",
-    )
-    g.add_argument(
-        "--response-headers",
-        choices=RESPONSE_HEADERS,
-        default=so.response_headers,
-        help="when-needed: where there are no response bodies and no fallbacks, tell Envoy per "
-        "request (mode_override) not to send the response headers, one ext_proc message each way "
-        "less (the request still ends with the ext_proc stream); always: take what Envoy sends",
-    )
-    g.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=so.drain_timeout_s,
-        metavar="SECONDS",
-        help="on SIGTERM, how long in-flight streams may run on before the picker exits",
-    )
-    s = p.add_argument_group("security (debug faces are off unless asked for)")
-    s.add_argument(
-        "--enable-debug-api",
-        action="store_true",
-        help="serve /debug/explain and /debug/endpoints on --debug-port (they reveal which "
-        "prefixes each endpoint served recently: keep them private)",
-    )
-    s.add_argument("--debug-port", type=int, default=so.debug_port, help="HTTP port of the debug API")
-    s.add_argument(
-        "--debug-bind-address", default=so.debug_bind_address, help="address the debug API binds to"
-    )
-    s.add_argument(
-        "--enable-explain-grpc",
-        action="store_true",
-        help="serve the kvpick.v1.Explain gRPC service on the ext_proc port",
+        help="re-read the certificate in --cert-path when its files change",
     )
     s.add_argument(
         "--trust-gateway-headers",
@@ -128,140 +345,76 @@ def build_parser() -> argparse.ArgumentParser:
         help="honour x-gateway-model-name-rewrite (only where the gateway strips a client's copy "
         f"and sets its own) {_from_config(cfg.trust_gateway_headers)}",
     )
-    d = p.add_argument_group("discovery")
-    d.add_argument("--endpoints", default=None, help="static endpoints ip:port,ip:port,...")
-    d.add_argument("--endpoints-file", default=None, help="YAML endpoints file, reloaded when it changes")
-    d.add_argument("--pool-name", default=None, help="InferencePool to read endpoints from (Kubernetes)")
-    d.add_argument("--pool-namespace", default="default", help="namespace of the InferencePool / pods")
-    d.add_argument(
-        "--endpoint-selector", default=None, help="pod label selector, when no InferencePool is used"
-    )
-    d.add_argument(
-        "--endpoint-target-ports", default=None, help="target ports for --endpoint-selector, e.g. 8000,8001"
-    )
-    r = p.add_argument_group(
-        "routing (override the config file)",
-        "Each flag, when given, replaces the --config-file value; the defaults shown are the "
-        "built-in config's.",
-    )
-    r.add_argument(
-        "--policy",
-        default=None,
-        help=f"scheduling policy: {', '.join(cfg.profiles)}, or one the config file defines "
-        f"{_from_config(cfg.policy)}",
-    )
-    r.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help=f"prefix hash block size in bytes of prompt text {_from_config(cfg.hashing.block_size)}",
-    )
-    r.add_argument(
-        "--index-capacity",
-        type=int,
-        default=None,
-        help=f"default per-endpoint LRU capacity in blocks {_from_config(cfg.index.capacity_blocks)}",
-    )
-    r.add_argument(
-        "--fallbacks",
-        type=int,
-        default=None,
-        help=f"fallback endpoints named after the primary {_from_config(cfg.fallbacks)}",
-    )
-    r.add_argument(
+
+
+def _limit_flags(p: argparse.ArgumentParser, so: ServerOptions, cfg: config_mod.RouterConfig) -> None:
+    g = p.add_argument_group("limits and the ext_proc stream")
+    g.add_argument(
         "--max-body-bytes",
         type=int,
         default=None,
-        help=f"largest request body accepted (else 413) {_from_config(cfg.max_body_bytes)}",
+        metavar="BYTES",
+        help=f"largest request body accepted; a larger one gets 413 {_from_config(cfg.max_body_bytes)}",
     )
-    r.add_argument(
-        "--scrape-interval",
+    g.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=so.max_concurrent_streams,
+        metavar="STREAMS",
+        help="cap on concurrent ext_proc streams, one per request (health checks not counted); "
+        "over it a stream is refused and Envoy's failure mode applies; 0: no cap",
+    )
+    g.add_argument(
+        "--drain-timeout",
         type=float,
-        default=None,
-        help=f"seconds between /metrics polls {_from_config(cfg.scrape.interval_s)}",
+        default=so.drain_timeout_s,
+        metavar="SECONDS",
+        help="on SIGTERM, how many seconds in-flight streams may run on before the picker exits",
     )
-    r.add_argument(
-        "--prefix-mode",
-        choices=["approximate", "precise", "auto"],
-        default=None,
-        help="prefix matches from our own picks (approximate) or the replicas' KV events (precise; auto: "
-        f"precise where an endpoint publishes) {_from_config(cfg.prefix.mode)}",
-    )
-    r.add_argument(
-        "--kv-events-port",
-        type=int,
-        default=None,
-        help=f"replicas' KV-event PUB port, on every endpoint's address {_from_config(cfg.prefix.kv_events_port)}",
-    )
-    r.add_argument(
-        "--kv-events-replay-port",
-        type=int,
-        default=None,
-        help=f"replicas' KV-event replay (ROUTER) port, 0 for none {_from_config(cfg.prefix.kv_events_replay_port)}",
-    )
-    r.add_argument(
-        "--data-parallel-ports",
-        default=None,
-        help="serving ports of data-parallel ranks 0..N-1 (e.g. 8000,8001): the endpoint on the r-th "
-        "is subscribed at the KV-event ports + r, where vLLM's rank r publishes "
-        f"{_from_config(cfg.prefix.data_parallel_ports or 'none')}",
-    )
-    r.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        help="picker processes in this pod sharing its ports (SO_REUSEPORT), agreeing over the peer channel",
-    )
-    r.add_argument(WORKER_FLAG, type=int, default=0, help=argparse.SUPPRESS)
-    r.add_argument("--worker-dir", default="", help=argparse.SUPPRESS)
-    r.add_argument(
-        "--peer-bind",
-        default="",
-        help="publish this picker's picks for its peer replicas on this ZMQ address, e.g. tcp://*:5560",
-    )
-    r.add_argument(
-        "--peers",
-        default="",
-        help="the other picker replicas' --peer-bind addresses, comma-separated (tcp://10.0.0.7:5560,...)",
-    )
-    r.add_argument(
-        "--peers-dns",
-        default="",
-        help="HOST:PORT whose addresses are the picker replicas' --peer-bind (a headless Service), "
-        "re-resolved every 5 s so restarted and added replicas are found; needs --peer-bind",
-    )
-    r.add_argument(
-        "--message-interval",
-        type=float,
-        default=INTERVAL_S,
-        help="seconds: KV events and peer messages are read before each pick and otherwise at most "
-        f"this often, so a burst costs one wake-up (default {INTERVAL_S})",
-    )
-    r.add_argument(
-        "--tokenizer",
-        default=None,
-        help="directory with the model's tokenizer.json and tokenizer_config.json (precise matching of text prompts)",
-    )
-    r.add_argument(
-        "--tokenize-inline-bytes",
-        type=int,
-        default=None,
-        help="with --tokenizer, tokenize bodies under this many bytes on the event loop, larger ones "
-        f"in a thread; 0: always in a thread {_from_config(cfg.prefix.tokenize_inline_bytes)}",
-    )
-    r.add_argument(
+    g.add_argument(
         "--body-mode",
         choices=list(BODY_MODES),
         default=next(k for k, v in BODY_MODES.items() if v == so.default_body_mode),
-        help="request body mode assumed when Envoy does not announce it in the stream's protocol_config",
+        help="Envoy's request body mode, assumed when the stream's protocol_config does not say",
     )
-    p.add_argument(
+    g.add_argument(
+        "--response-headers",
+        choices=RESPONSE_HEADERS,
+        default=so.response_headers,
+        help="when-needed: with no response body and no fallbacks, ask Envoy (mode_override) not "
+        "to send the response headers, one ext_proc message each way less; always: take them",
+    )
+
+
+def _debug_flags(p: argparse.ArgumentParser, so: ServerOptions) -> None:
+    s = p.add_argument_group("logging and debugging", "The debug faces are off unless asked for.")
+    s.add_argument(
         "--log-level",
         default=None,
         choices=["debug", "info", "warning", "error"],
-        help="level of the picker's own log lines (stderr); default info, or what GIE's -v says",
+        help="level of the picker's own log lines on stderr (default: info, or what GIE's -v or "
+        "--zap-log-level ask for)",
     )
-    return p
+    s.add_argument(
+        "--enable-debug-api",
+        action="store_true",
+        help="serve /debug/explain and /debug/endpoints on --debug-port (they reveal which "
+        "prefixes each endpoint served recently: keep them private)",
+    )
+    s.add_argument(
+        "--debug-port", type=int, default=so.debug_port, metavar="PORT", help="TCP port of the debug HTTP API"
+    )
+    s.add_argument(
+        "--debug-bind-address",
+        default=so.debug_bind_address,
+        metavar="ADDRESS",
+        help="IP address the debug HTTP API binds to",
+    )
+    s.add_argument(
+        "--enable-explain-grpc",
+        action="store_true",
+        help="serve the kvpick.v1.Explain gRPC service (a request's scores) on the ext_proc port",
+    )
 
 
 def _config_file(path: str | None) -> config_mod.RouterConfig:
