@@ -96,12 +96,12 @@ def _us(doc: dict[str, Any], key: str) -> float:
 def _ext_proc_calls(envoy: dict[str, Any]) -> float:
     """The wall time of a request's ext_proc calls, as Envoy timed them: the headers' call and
     the body's, one after the other (BUFFERED: one body call); where Envoy sent the body without
-    waiting for the headers' answer (one-trip or streamed bodies: several body calls, or a size
-    twin's route in the log's ``route``) the body's calls run inside the headers' call, which the
+    waiting for the headers' answer (streamed bodies: several body calls, or a size twin's route
+    in the log's ``route``) the body's calls run inside the headers' call, which the
     picker answers once the body is in: that call alone. (Envoy drops the content-length of a
     streamed body, so after the pick such a request matches the ``:streamed`` twin.)"""
     header = _us(envoy, "ext_proc_request_header_latency_us")
-    twin = str(envoy.get("route", "")).endswith((":one-trip", ":streamed"))
+    twin = str(envoy.get("route", "")).endswith(":streamed")
     calls = envoy.get("ext_proc_request_body_call_count")
     if twin or (calls not in (None, "", "-") and int(calls) >= 2):
         return header

@@ -37,34 +37,13 @@ Failure mode (``failure_mode_allow``):
 
 Request bodies are BUFFERED by default, in every config (fail-close too; GIE's own config uses
 FULL_DUPLEX_STREAMED, which ``--body-mode FULL_DUPLEX_STREAMED`` still renders and the picker
-still serves), or in one trip where ``--one-trip-under`` says (below). Envoy holds a BUFFERED body
-(up to the picker's limit; past it Envoy answers 413) and sends it in one message; the picker
-answers the headers at once, and the body with one message carrying the destination. In
-FULL_DUPLEX_STREAMED the body arrives in many chunks and has to be echoed back: BUFFERED cost about
-30% less picker CPU per 220 KB request and about 10% less per 8 KB one (bench.datapath).
-
-Small bodies can go in one trip (``--one-trip-under``, e.g. 64 KiB; off by default: it cost the
-picker more CPU per request at saturation than it saved, bench/results/datapath.md). BUFFERED costs two
-round trips to the picker, one after the other: Envoy sends the body only once the headers are
-answered. So each route has twins for a ``content-length`` under the threshold whose per-route
-override makes the request body STREAMED, and the filter sets
-``send_body_without_waiting_for_header_response``: Envoy sends the headers and, right behind them,
-the body's chunks (HTTP/1.1: the data, then an empty end-of-stream chunk), holding each; the
-picker answers nothing until the body is whole, then the headers with the destination (the route
-and host are chosen only once that answer has come: Envoy 1.40 continues the headers when it
-injects the first answered chunk) and one pass-through answer per chunk. A request then costs one
-round trip. The threshold keeps a held body far below the listener's buffer limit (past it Envoy
-would stop reading a body the picker waits for). With that flag Envoy ignores every
-``mode_override`` of the filter (BUFFERED routes too), so the picker can no longer skip the
-response headers per request; the config skips them instead where the picker has no use for them
-(``--response-headers``, default skip with an ORIGINAL_DST upstream and no response body: one host
-serves, nothing to re-credit; ``send`` where it needs them: the pool upstream's fallbacks).
-Response trailers stay SEND (model servers send none): with nothing of the response left to send,
-Envoy 1.40 closes the ext_proc stream at the end of a STREAMED request body
-(``closeGrpcStreamIfLastRespReceived``, no longer behind a runtime guard), which would end the
-picker's accounting while the response still streams. Envoy removes a STREAMED body's
-``content-length``: the request goes upstream chunked, and after the pick it matches the
-size-unknown twin, which routes the same (the access log's ``route`` names it).
+still serves). Envoy holds a BUFFERED body (up to the picker's limit; past it Envoy answers 413)
+and sends it in one message; the picker answers the headers at once, and the body with one message
+carrying the destination. In FULL_DUPLEX_STREAMED the body arrives in many chunks and has to be
+echoed back: BUFFERED cost about 30% less picker CPU per 220 KB request and about 10% less per
+8 KB one (bench.datapath). Sending a small body without waiting for the headers' answer (one
+round trip, ``send_body_without_waiting_for_header_response``) was measured and rejected: it cost
+more picker CPU per request than it saved latency (bench/results/datapath.md).
 
 Request headers are always SENT. With ``request_header_mode: SKIP`` ext_proc lets the headers
 through at once, and the router matches the route and ORIGINAL_DST (or override_host) picks the
@@ -143,18 +122,9 @@ MAX_BODY = 8 * 1024 * 1024
 _T = "type.googleapis.com/envoy.extensions."
 
 
-def _ext_proc(
-    picker: str,
-    failure_open: bool,
-    request_mode: str,
-    response_mode: str,
-    one_trip: bool = False,
-    skip_response: bool = False,
-) -> dict[str, Any]:
+def _ext_proc(picker: str, failure_open: bool, request_mode: str, response_mode: str) -> dict[str, Any]:
     """The ext_proc filter. It forwards the gateway's ``envoy.lb.subset_hint`` metadata and the
-    ``envoy.lb`` namespace (where the served endpoint is reported on the response path).
-    ``one_trip``: STREAMED request bodies (the small-body routes' override) go to the picker
-    without waiting for the headers' answer (module doc); other modes ignore the flag."""
+    ``envoy.lb`` namespace (where the served endpoint is reported on the response path)."""
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -168,21 +138,17 @@ def _ext_proc(
             "allow_mode_override": True,
             "message_timeout": "10s",
             "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]}},
-            "processing_mode": _mode(request_mode, response_mode, skip_response),
-            **({"send_body_without_waiting_for_header_response": True} if one_trip else {}),
+            "processing_mode": _mode(request_mode, response_mode),
         },
     }
 
 
-def _mode(request_mode: str, response_mode: str, skip_response: bool) -> dict[str, str]:
-    """An ext_proc ``processing_mode``; ``skip_response``: response headers SKIPped (module doc:
-    with one-trip bodies Envoy ignores the picker's per-request ``mode_override``). Response
-    trailers stay SEND: model servers send none, and were nothing of the response left to send,
-    Envoy 1.40 would close the ext_proc stream at the end of a STREAMED request body, long before
-    the response ends; that close is the picker's only sign that the request ended."""
+def _mode(request_mode: str, response_mode: str) -> dict[str, str]:
+    """An ext_proc ``processing_mode``: headers and trailers SEND (the picker skips the response
+    path per request with a ``mode_override`` where it has no use for it)."""
     return {
         "request_header_mode": "SEND",
-        "response_header_mode": "SKIP" if skip_response else "SEND",
+        "response_header_mode": "SEND",
         "request_body_mode": request_mode,
         "response_body_mode": response_mode,
         "request_trailer_mode": "SEND",
@@ -486,24 +452,18 @@ def _routes(upstream: str, retries: int, idle: str, fallback: list[str]) -> list
 
 
 INT64_MAX = 2**63 - 1
-ONE_TRIP_ROUTE = "one-trip"
 STREAMED_ROUTE = "streamed"
-"""The suffixes of the size twins' route names (``upstream:one-trip``): the access log's ``route``
+"""The suffix of the size twins' route names (``upstream:streamed``): the access log's ``route``
 says which body mode a request had."""
-ONE_TRIP_UNDER = 0
-"""``--one-trip-under``: request bodies with a ``content-length`` under this many bytes are sent
-STREAMED without waiting for the headers' answer: one round trip to the picker (module doc). Off
-by default: it cost more picker CPU per request than it saved latency (bench/results/datapath.md).
-64 KiB is the value measured."""
 STREAM_BODIES_OVER = 1024 * 1024
 """``--stream-bodies-over``: request bodies of at least this many bytes (or of unknown size) are
 FULL_DUPLEX_STREAMED to the picker, smaller ones BUFFERED (module doc)."""
 
 
-def _request_body_override(request_mode: str, response_mode: str, skip_response: bool) -> dict[str, Any]:
+def _request_body_override(request_mode: str, response_mode: str) -> dict[str, Any]:
     """A route's ext_proc override: the filter's modes with the request body ``request_mode``
     (a per-route ``processing_mode`` replaces the whole mode)."""
-    mode = _mode(request_mode, response_mode, skip_response)
+    mode = _mode(request_mode, response_mode)
     return {
         "envoy.filters.http.ext_proc": {
             "@type": _T + "filters.http.ext_proc.v3.ExtProcPerRoute",
@@ -540,14 +500,11 @@ def _twins(
 def _sized_routes(
     routes: list[dict[str, Any]],
     stream_over: int,
-    one_trip_under: int,
     response_mode: str,
-    skip_response: bool,
 ) -> list[dict[str, Any]]:
     """``routes`` (whose requests keep the filter's BUFFERED body) preceded by twins that change
     the request body mode by size (module doc): a ``content-length`` of at least ``stream_over``,
-    or none (a chunked body of unknown size), FULL_DUPLEX_STREAMED; one under ``one_trip_under``
-    STREAMED, sent without waiting for the headers' answer. 0 turns either off."""
+    or none (a chunked body of unknown size), FULL_DUPLEX_STREAMED. 0 turns them off."""
     out = []
     if stream_over > 0:
         large = [
@@ -557,13 +514,8 @@ def _sized_routes(
         out += _twins(
             routes,
             large,
-            _request_body_override("FULL_DUPLEX_STREAMED", response_mode, skip_response),
+            _request_body_override("FULL_DUPLEX_STREAMED", response_mode),
             STREAMED_ROUTE,
-        )
-    if one_trip_under > 0:
-        small = [{"name": "content-length", "range_match": {"start": 0, "end": one_trip_under}}]
-        out += _twins(
-            routes, small, _request_body_override("STREAMED", response_mode, skip_response), ONE_TRIP_ROUTE
         )
     return [*out, *routes]
 
@@ -687,17 +639,8 @@ def _check(
     endpoints: list[str] | None,
     fallback: list[str] | None,
     stream_bodies_over: int = 0,
-    one_trip_under: int = 0,
-    max_body_bytes: int = MAX_BODY,
 ) -> None:
     """Refuse the combinations that render a config which cannot work (ValueError says which)."""
-    if one_trip_under > 0 and body_mode != "BUFFERED":
-        raise ValueError("--one-trip-under needs BUFFERED request bodies (its size twins override them)")
-    held = stream_bodies_over if stream_bodies_over > 0 else max_body_bytes
-    if one_trip_under > held:
-        # Envoy holds a one-trip body until the picker answers, which it does once the body is
-        # whole: past the listener's buffer limit Envoy stops reading it, and both wait.
-        raise ValueError(f"--one-trip-under {one_trip_under} exceeds the largest body Envoy holds ({held})")
     if response_body_mode == "BUFFERED":
         raise ValueError("a BUFFERED response body would hold SSE streams until generation ends")
     if failure_open and body_mode == "FULL_DUPLEX_STREAMED":
@@ -729,8 +672,6 @@ def render(
     stream_bodies_over: int | None = None,
     access_log: str = "",
     preserve_request_id: bool = False,
-    one_trip_under: int | None = None,
-    response_headers: str | None = None,
     picker_codec: str = "nghttp2",
 ) -> dict[str, Any]:
     """The whole Envoy bootstrap. ``body_mode`` is the request body's; ``picker`` is one or more
@@ -739,8 +680,6 @@ def render(
     picker = pickers[0]  # the ext_proc stream's :authority
     if stream_bodies_over is None:  # fail-open cannot stream a body (module doc)
         stream_bodies_over = 0 if failure_open else STREAM_BODIES_OVER
-    if one_trip_under is None:
-        one_trip_under = ONE_TRIP_UNDER if body_mode == "BUFFERED" else 0
     _check(
         failure_open,
         body_mode,
@@ -749,19 +688,11 @@ def render(
         endpoints,
         fallback,
         stream_bodies_over,
-        one_trip_under,
-        max_body_bytes,
     )
     routes = _routes(upstream, retries, stream_idle_timeout, (fallback or []) if failure_open else [])
-    one_trip = body_mode == "BUFFERED" and one_trip_under > 0
-    if response_headers is None:
-        response_headers = (
-            "skip" if one_trip and upstream == "original-dst" and response_body_mode == "NONE" else "send"
-        )
-    skip_response = response_headers == "skip"
     if body_mode == "BUFFERED":
-        routes = _sized_routes(routes, stream_bodies_over, one_trip_under, response_body_mode, skip_response)
-    ext_proc = _ext_proc(picker, failure_open, body_mode, response_body_mode, one_trip, skip_response)
+        routes = _sized_routes(routes, stream_bodies_over, response_body_mode)
+    ext_proc = _ext_proc(picker, failure_open, body_mode, response_body_mode)
     listener: dict[str, Any] = {
         "name": "kvpick",
         "address": {"socket_address": {"address": "0.0.0.0", "port_value": listen_port}},
@@ -862,22 +793,6 @@ def parser() -> argparse.ArgumentParser:
         "0 with fail-open, which cannot stream)",
     )
     p.add_argument(
-        "--one-trip-under",
-        type=int,
-        default=None,
-        help="with BUFFERED request bodies, send those with a content-length under this many bytes "
-        "STREAMED without waiting for the headers' answer (one round trip to the picker, e.g. 65536); "
-        f"0: none (default {ONE_TRIP_UNDER})",
-    )
-    p.add_argument(
-        "--response-headers",
-        choices=["skip", "send"],
-        default=None,
-        help="send the picker the response headers (it may still skip them per request where Envoy "
-        "lets it), or skip them in the config (default: skip with one-trip bodies, an ORIGINAL_DST "
-        "upstream and no response body; else send)",
-    )
-    p.add_argument(
         "--access-log",
         default="",
         help="write a JSON access log with per-request timings (Envoy's and ext_proc's) to this file "
@@ -922,8 +837,6 @@ def main(argv: list[str] | None = None) -> int:
             stream_bodies_over=a.stream_bodies_over,
             access_log=a.access_log,
             preserve_request_id=a.preserve_request_id,
-            one_trip_under=a.one_trip_under,
-            response_headers=a.response_headers,
             picker_codec=a.picker_h2_codec,
         )
     except ValueError as err:

@@ -45,8 +45,8 @@ def test_segments_add_up_to_the_clients_ttft() -> None:
     _pieces_add_up(peer)
     assert segments(o, None, envoy) is None  # no span from vLLM: nothing to split
     assert segments(Outcome(1, ok=False), span, envoy) is None
-    one_trip = segments(o, span, {**envoy, "route": "upstream:one-trip"})  # the body's calls overlap
-    assert one_trip is not None and one_trip["ext_proc_calls"] == pytest.approx(0.001)
+    streamed = segments(o, span, {**envoy, "route": "upstream:streamed"})  # the body's calls overlap
+    assert streamed is not None and streamed["ext_proc_calls"] == pytest.approx(0.001)
     med = summarize([seg, peer, seg])
     assert set(PIECES) <= set(med) and med["n"] == 3 and med["api_server"] == pytest.approx(0.005)
 

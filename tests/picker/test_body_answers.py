@@ -78,20 +78,3 @@ def test_the_shared_answers_are_bounded() -> None:
     built = [answers.get(d, pb.ProcessingResponse) for d in ("a:1", "b:1", "c:1", "c:1")]
     assert built[3] is built[2]
     assert len(answers) <= 2
-
-
-async def one_trip_head(svc: ExtProcService, **headers: str) -> pb.ProcessingResponse:
-    """The headers answer of one one-trip request (STREAMED, sent without waiting)."""
-    hs = [base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions")]
-    hs += [base_pb2.HeaderValue(key=k.replace("_", "-"), raw_value=v.encode()) for k, v in headers.items()]
-    first = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs)))
-    first.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.STREAMED
-    first.protocol_config.send_body_without_waiting_for_header_response = True
-
-    async def stream() -> AsyncIterator[pb.ProcessingRequest]:
-        yield first
-        yield pb.ProcessingRequest(request_body=pb.HttpBody(body=BODY, end_of_stream=True))
-
-    out = await svc.answers(stream())
-    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
-    return out[0]

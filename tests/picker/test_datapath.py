@@ -1,9 +1,8 @@
 """The data path through a real Envoy: what the picker receives per request in the shipped default
 config (BUFFERED request body: one message for the headers, one for the body; nothing of the
-response, whose headers the picker skips per request) and with one-trip bodies (``render.py
---one-trip-under``: the body without waiting for the headers' answer, which carries the
-destination), where the response headers still come, and a streamed response through GIE's own
-test config (which sends response bodies FULL_DUPLEX_STREAMED: each chunk is echoed unchanged)."""
+response, whose headers the picker skips per request), where the response headers still come, and
+a streamed response through GIE's own test config (which sends response bodies
+FULL_DUPLEX_STREAMED: each chunk is echoed unchanged)."""
 
 from __future__ import annotations
 
@@ -91,34 +90,20 @@ def test_shipped_default_config_sends_the_picker_two_messages_per_request(tmp_pa
     assert got.get("response_body", 0.0) == 0, f"the picker received response bodies: {got}"
 
 
-def test_one_trip_config_sends_each_request_in_one_round_trip(tmp_path: pathlib.Path) -> None:
-    """The picker answers the headers only once it has the whole body, so that these requests
-    are served at all shows Envoy sent the body without waiting for that answer: one round trip.
-    An HTTP/1.1 body comes as its data and an empty end-of-stream chunk, each answered; the
-    config skips the response headers (Envoy ignores the picker's per-request override then)."""
-    with stack(tmp_path, envoy_args=("--one-trip-under", "65536")) as st:
-        got = _four_requests(st)
-    assert got["request_headers"] == 4 and got["request_body"] == 8, got
-    assert got["response_headers"] == 0, f"response headers not skipped: {got}"
-    assert got.get("response_body", 0.0) == 0, f"the picker received response bodies: {got}"
-
-
 @pytest.mark.parametrize(
     ("envoy_args", "picker_args"),
     [
         ((), ("--response-headers", "always")),
-        (("--one-trip-under", "65536", "--response-headers", "send"), ()),
         (("--body-mode", "FULL_DUPLEX_STREAMED"), ()),
     ],
-    ids=["buffered-always", "config-sends", "full-duplex"],
+    ids=["buffered-always", "full-duplex"],
 )
 def test_response_headers_where_they_cannot_or_must_not_be_skipped(
     envoy_args: tuple[str, ...], picker_args: tuple[str, ...], tmp_path: pathlib.Path
 ) -> None:
-    """With BUFFERED bodies, ``--response-headers always`` takes them; with one-trip bodies Envoy
-    ignores the picker's per-request override, so the config decides (``render.py
-    --response-headers send``); in FULL_DUPLEX_STREAMED Envoy ignores the override too (the
-    headers are answered after the body). The requests still work."""
+    """With BUFFERED bodies, ``--response-headers always`` takes them; in FULL_DUPLEX_STREAMED
+    Envoy ignores the picker's per-request override (the headers are answered after the body).
+    The requests still work."""
     with stack(tmp_path, picker_args=picker_args, envoy_args=envoy_args) as st:
         got = _four_requests(st)
     assert got["request_headers"] == 4 and got["response_headers"] == 4, got
@@ -184,7 +169,7 @@ def test_the_destination_cannot_ride_on_the_body_alone(
     keep_route_header: bool, status: int, tmp_path: pathlib.Path
 ) -> None:
     """Why the picker must take the request headers (a message each way for them, not just the
-    body's; one-trip bodies make that one round trip, not two): with
+    body's): with
     ``request_header_mode: SKIP`` Envoy 1.40's ext_proc lets the headers through at once
     (``decodeHeaders`` returns Continue), so the router matches the route and ORIGINAL_DST picks
     its host before the body is even sent; the body answer's header mutation finds no headers
@@ -198,7 +183,7 @@ def test_the_destination_cannot_ride_on_the_body_alone(
     try:
         st.start_upstreams()
         st.start_picker()
-        cfg = yaml.safe_load(st.render_envoy("--one-trip-under", "0"))  # no size twins: one route
+        cfg = yaml.safe_load(st.render_envoy())
         _skip_request_headers(cfg, keep_route_header)
         st.start_envoy(config=yaml.safe_dump(cfg))
         before = _messages(st)
