@@ -293,15 +293,8 @@ def _picker_failover(health_interval: str) -> dict[str, Any]:
     }
 
 
-def _picker_cluster(
-    pickers: list[str], tls: bool, health_interval: str, codec: str = "nghttp2"
-) -> dict[str, Any]:
-    """The ext_proc cluster. ``codec`` is Envoy's HTTP/2 codec towards the picker: nghttp2, Envoy
-    1.40's default, sends a request body in 16 KiB DATA frames whatever the peer allows (fourteen
-    for a 220 KB body); oghttp2 in frames as large as the picker's SETTINGS allow (gRPC 1.85
-    advertises 4 MiB), so one. Measured, not the default: it saved Envoy 7-8% CPU per 220 KB
-    request but no picker CPU beyond the noise (``bench/results/datapath.md``)."""
-    h2: dict[str, Any] = {"use_oghttp2_codec": True} if codec == "oghttp2" else {}
+def _picker_cluster(pickers: list[str], tls: bool, health_interval: str) -> dict[str, Any]:
+    """The ext_proc cluster: HTTP/2 with Envoy's default codec (nghttp2)."""
     c: dict[str, Any] = {
         "name": "kvpick_picker",
         "type": "STATIC" if all(_is_ip(p) for p in pickers) else "STRICT_DNS",
@@ -311,7 +304,7 @@ def _picker_cluster(
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _T + "upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": h2},
+                "explicit_http_config": {"http2_protocol_options": {}},
             }
         },
         "load_assignment": _load_assignment("kvpick_picker", pickers),
@@ -672,7 +665,6 @@ def render(
     stream_bodies_over: int | None = None,
     access_log: str = "",
     preserve_request_id: bool = False,
-    picker_codec: str = "nghttp2",
 ) -> dict[str, Any]:
     """The whole Envoy bootstrap. ``body_mode`` is the request body's; ``picker`` is one or more
     comma-separated ext_proc addresses; see the module doc."""
@@ -719,7 +711,7 @@ def render(
     if body_mode == "BUFFERED":  # a buffered body is held whole in Envoy: allow the largest one
         buffered = min(stream_bodies_over, max_body_bytes) if stream_bodies_over > 0 else max_body_bytes
         listener["per_connection_buffer_limit_bytes"] = buffered + 64 * 1024
-    clusters = [_picker_cluster(pickers, tls, picker_health_interval, picker_codec)]
+    clusters = [_picker_cluster(pickers, tls, picker_health_interval)]
     clusters.append(_pool_cluster(endpoints or []) if upstream == "pool" else _original_dst_cluster())
     if failure_open and upstream == "original-dst":
         clusters.append(_fallback_cluster(fallback or []))
@@ -803,13 +795,6 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep the client's x-request-id instead of generating one (default: Envoy generates it)",
     )
-    p.add_argument(
-        "--picker-h2-codec",
-        choices=["oghttp2", "nghttp2"],
-        default="nghttp2",
-        help="Envoy's HTTP/2 codec towards the picker: nghttp2 sends a large body in 16 KiB DATA "
-        "frames, oghttp2 in frames as large as the picker allows (default: nghttp2, Envoy's)",
-    )
     p.add_argument("-o", "--output", default="-")
     return p
 
@@ -837,7 +822,6 @@ def main(argv: list[str] | None = None) -> int:
             stream_bodies_over=a.stream_bodies_over,
             access_log=a.access_log,
             preserve_request_id=a.preserve_request_id,
-            picker_codec=a.picker_h2_codec,
         )
     except ValueError as err:
         parser().error(str(err))
