@@ -70,8 +70,8 @@ Envoy closes it when the filter is destroyed, which ends the picker's accounting
 the picker costs a gRPC round trip (a 256-token stream cost about 3x a plain response in picker
 CPU; bench.datapath), and a picker killed mid-stream cuts no stream (with FULL_DUPLEX_STREAMED it
 cuts those it was passing; bench.reliability measures both). FULL_DUPLEX_STREAMED (GIE's own test
-config) still works: each chunk is echoed unchanged and the first one times a first-byte
-cross-check.
+config) still works: each chunk is echoed unchanged and the first one ends the request's pending
+prefill in the picker's accounting.
 
 Several pickers (``--picker a:9002,b:9002,c:9002``, or one name that resolves to several): the
 ext_proc cluster fails over fast, so a dead picker costs little more than the requests it had in

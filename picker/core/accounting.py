@@ -6,7 +6,7 @@ Per request a :class:`Ticket`; per endpoint a :class:`~picker.core.endpoints.typ
     accounting.move(ticket, other_state, uncached_tokens)                  # Envoy served elsewhere
     accounting.expire(states)                # prefills predicted done by now: no longer pending
     accounting.reconcile(state)              # after a scrape: at most waiting + 1 still pending
-    accounting.first_token(ticket, measure)  # a first response byte (when Envoy sends bodies)
+    accounting.first_token(ticket)           # a first response byte (when Envoy sends bodies)
     accounting.finish(ticket)                # idempotent
 
 **When a prefill stops being pending.** The shipped Envoy configs send the picker no response
@@ -41,13 +41,12 @@ Writers, one per field:
   ``pending_requests``, ``prefill_busy_until``, ``prefill_due``, ``unseen_requests``, ``finished_streams``, ``sent_total``, ``seen_baseline``: charged by :meth:`Accounting.start`
   (and :meth:`move`), pending prefill released by :meth:`expire`, :meth:`reconcile` and
   :meth:`first_token`, everything by :meth:`finish`; nothing else writes them.
-- ``Load.first_byte_rate``, ``first_byte_samples`` and :attr:`Accounting.first_byte_rate`: the
-  per-request prefill cross-check, written by :meth:`first_token` from 2xx streamed responses
-  only (``measure``). The cost scorer does not read them: it ranks on the calibrated model
-  (``state.model``, written by :class:`picker.core.calibration.Calibrator` from scrapes), and the
-  scraped metrics (``state.metrics``) are written by the scraper (or cluster mode's scrape).
-- :class:`Ticket` fields: this module (``started``, ``due``, ``pending``, ``first_token_at``,
-  ``done``, the endpoint and its token counts on a move).
+- Not here: the cost scorer ranks on the calibrated model (``state.model``, written by
+  :class:`picker.core.calibration.Calibrator` from scrapes) and the scraped metrics
+  (``state.metrics``, written by the scraper or cluster mode's scrape); no response timing
+  feeds either.
+- :class:`Ticket` fields: this module (``started``, ``due``, ``pending``, ``done``, the endpoint
+  and its token counts on a move).
 
 Invariant: every ``start`` is matched by exactly one effective ``finish`` (later calls are
 no-ops), so the in-flight counters return to zero when traffic stops; they are never negative.
@@ -63,10 +62,6 @@ from dataclasses import dataclass, field
 from picker.core.endpoints.types import EndpointState
 from picker.core.scheduling.types import Cycle
 
-MIN_MEASURED_TOKENS = 256
-"""A first byte after fewer prefill tokens (its own and those queued ahead) is not a sample:
-short prefills are dominated by fixed overheads."""
-
 RECONCILE_GRACE_S = 0.05
 """Requests sent less than this before a scrape are left out of :meth:`Accounting.reconcile`:
 vLLM updates its queue gauges once per engine step, so a request that has just arrived may not
@@ -81,14 +76,11 @@ class Ticket:
     state: EndpointState
     prompt_tokens: int
     uncached_tokens: int
-    queued_tokens: int
-    """Prefill tokens pending on ``state`` when the request was sent (ahead of it)."""
     started: float
     due: float = 0.0
     """Predicted end of its prefill on ``state`` (the module docstring)."""
     pending: bool = True
     """Its uncached tokens are still counted in ``state.load.pending_prefill_tokens``."""
-    first_token_at: float = 0.0
     done: bool = False
     matched_blocks: int = 0
     extra: dict[str, float] = field(default_factory=dict)
@@ -99,17 +91,9 @@ class Ticket:
     """The request's block hashes (the list the index recorded; not a copy). Empty once done."""
 
 
-def _ewma(current: float, observed: float, alpha: float) -> float:
-    """The first observation is taken as is (``current`` 0 means none yet)."""
-    return observed if current <= 0 else (1 - alpha) * current + alpha * observed
-
-
 class Accounting:
-    def __init__(self, alpha: float = 0.2, clock: Callable[[], float] = time.monotonic) -> None:
-        self.alpha, self.clock = alpha, clock
-        self.first_byte_rate = 0.0
-        """Cross-check only: pool-wide per-request prefill tokens/s (EWMA over first bytes of 2xx
-        streamed responses)."""
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
 
     def start(
         self,
@@ -124,7 +108,6 @@ class Accounting:
             state,
             prompt_tokens,
             uncached_tokens,
-            state.load.pending_prefill_tokens,
             self.clock(),
             matched_blocks=matched_blocks,
             cycle=cycle,
@@ -178,7 +161,6 @@ class Accounting:
         ticket.state = new
         ticket.matched_blocks = matched_blocks
         ticket.uncached_tokens = uncached_tokens
-        ticket.queued_tokens = new.load.pending_prefill_tokens
         ticket.pending = pending
         self._charge(ticket)
 
@@ -219,23 +201,11 @@ class Accounting:
         while due and not (due[0].pending and due[0].state is state):
             due.popleft()
 
-    def first_token(self, ticket: Ticket, measure: bool = True) -> None:
-        """The first response byte: the request's prefill is no longer pending. With ``measure``
-        (a 2xx streamed response only: an error or a whole non-streamed body says nothing about
-        prefill speed) the time also feeds the cross-check rate."""
-        if ticket.done or ticket.first_token_at:
-            return
-        now = self.clock()
-        ticket.first_token_at = now
-        load = ticket.state.load
-        self._release(ticket)
-        elapsed = now - ticket.started
-        work = ticket.uncached_tokens + ticket.queued_tokens
-        if measure and elapsed > 0 and work >= MIN_MEASURED_TOKENS:
-            observed = work / elapsed
-            load.first_byte_rate = _ewma(load.first_byte_rate, observed, self.alpha)
-            load.first_byte_samples += 1
-            self.first_byte_rate = _ewma(self.first_byte_rate, observed, self.alpha)
+    def first_token(self, ticket: Ticket) -> None:
+        """A response byte: the request's prefill is no longer pending (a no-op after the first,
+        or once finished)."""
+        if not ticket.done:
+            self._release(ticket)
 
     def finish(self, ticket: Ticket) -> None:
         """End, error, reset or disconnect; idempotent. The finished ticket lets go of its cycle

@@ -188,8 +188,6 @@ class RouterConfig:
     in (as vLLM's extra keys) and scored by ``lora-affinity``."""
     profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: dict(BUILTIN_POLICIES))
     """Policy name → ``{filters, scorers, picker}``, laid over the built-in policies."""
-    rate_ewma_alpha: float = 0.2
-    """Weight of the newest observation in the accounting's moving averages."""
     objectives: Mapping[str, int] = field(default_factory=dict)
     """Objective name (``x-gateway-inference-objective``) → priority, as InferenceObjective's
     ``priority``: negative is sheddable (429 when the pool is saturated), 0 or more is not."""

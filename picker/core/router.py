@@ -5,7 +5,7 @@ The ext_proc server and the simulator's cluster mode both drive a :class:`Router
     decision = router.route(req)          # may raise PickerError subclasses
     ticket = router.start(decision)       # request sent: index records the pick, in-flight += 1
     router.recredit(ticket, served_key)   # Envoy served a fallback: move the ticket there
-    router.first_token(ticket, measure)   # first response byte (if Envoy sends bodies): prefill done
+    router.first_token(ticket)            # first response byte (if Envoy sends bodies): prefill done
     router.on_scrape(state)               # after each scrape: KV capacity, load model, queue check
     router.finish(ticket)                 # end, error, reset or disconnect; idempotent
 
@@ -88,7 +88,7 @@ class Router:
                 n: _with_miss_penalty(p, cfg.prefix.precise_miss_penalty) for n, p in self.profiles.items()
             }
         self._block_tokens = cfg.hashing.block_size / cfg.index.chars_per_token
-        self.accounting = Accounting(cfg.rate_ewma_alpha, clock)
+        self.accounting = Accounting(clock)
         self.parse_options = ParseOptions(
             lora_adapters=cfg.lora_adapters,
             trust_rewrite=cfg.trust_gateway_headers,
@@ -236,12 +236,6 @@ class Router:
             raise NoEndpoints("no ready endpoint in the pool" + (" subset" if subset is not None else ""))
         return best
 
-    @property
-    def prefill_rate(self) -> float:
-        """Cross-check only: the pool-wide first-byte prefill rate (:mod:`picker.core.accounting`).
-        The cost scorer ranks on the calibrated model, not on this."""
-        return self.accounting.first_byte_rate
-
     def start(self, decision: Decision) -> Ticket:
         """The request was sent to the primary: the index records it, accounting charges it."""
         state = decision.primary
@@ -279,7 +273,7 @@ class Router:
 
     def recredit(self, ticket: Ticket, key: str) -> bool:
         """Move ``ticket`` to endpoint ``key``, the one that served it (Envoy fell back): its
-        in-flight counts, pending prefill, prefix-index entry and later rate observation go there.
+        in-flight counts, pending prefill and prefix-index entry go there.
 
         The blocks the primary was credited with beyond what it already held are taken back
         from its LRU. Returns False, changing nothing, when the ticket is done, already on
@@ -302,9 +296,9 @@ class Router:
             self.precise.speculate(key, keys, self.clock())
         return True
 
-    def first_token(self, ticket: Ticket, measure: bool = True) -> None:
+    def first_token(self, ticket: Ticket) -> None:
         """See :meth:`picker.core.accounting.Accounting.first_token`."""
-        self.accounting.first_token(ticket, measure)
+        self.accounting.first_token(ticket)
 
     def finish(self, ticket: Ticket) -> None:
         self.accounting.finish(ticket)
@@ -359,7 +353,6 @@ class Router:
                         "step_per_seq_s": round(e.model.step_per_seq_s, 7),
                         "step_source": e.model.step_source,
                         "uncached_tokens_per_request": round(e.model.uncached_per_request, 1),
-                        "first_byte_rate_crosscheck": round(e.load.first_byte_rate, 1),
                     },
                     "score": decision.result.scores.get(e.key),
                     "scores": {n: s.get(e.key) for n, s in decision.result.per_scorer.items()},

@@ -142,10 +142,10 @@ class Director:
         if status:
             pick.label = f"{pick.label}:{status[:1]}xx"
 
-    def first_byte(self, pick: Pick, measure: bool) -> None:
+    def first_byte(self, pick: Pick) -> None:
         """A response body byte arrived (the prefill is done)."""
         if pick.ticket is not None:
-            self.router.first_token(pick.ticket, measure)
+            self.router.first_token(pick.ticket)
 
     def finish(self, pick: Pick, outcome: str) -> None:
         """End the accounting (idempotent) and count the request once: end of stream, error,

@@ -266,8 +266,6 @@ class Exchange:
     """Set when the phase becomes ROUTED."""
     subset: frozenset[str] | None = None
     """The gateway's subset hint (endpoint keys), None when it sent none."""
-    measurable: bool = False
-    """The response is a 2xx event stream: its first byte times the prefill (a cross-check)."""
     parsed: Parsed | None = None
     """The body's parse, when :meth:`Director.prepare` made it before the pick."""
     skip_response_headers: bool = False
@@ -404,16 +402,13 @@ class Exchange:
         status = headers.get(":status", "")
         if self.pick is not None:
             self.director.served(self.pick, served, status)
-        self.measurable = status.startswith("2") and headers.get("content-type", "").startswith(
-            "text/event-stream"
-        )
         if msg.end_of_stream:
             self.close()
         return [RESPONSE_HEADERS_ACK]
 
     def on_response_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.pick is not None:
-            self.director.first_byte(self.pick, self.measurable)
+            self.director.first_byte(self.pick)
         if msg.end_of_stream:
             self.close()
         if self.response_mode == FULL_DUPLEX:

@@ -78,7 +78,6 @@ def debug_app(director: Director) -> web.Application:
                     "finished_streams": s.load.finished_streams,
                     "sent_total": s.load.sent_total,
                     "request_success_total": s.metrics.request_success_total,
-                    "first_byte_rate": s.load.first_byte_rate,
                     "prefill_rate": s.model.prefill_rate,
                     "prefill_source": s.model.prefill_source,
                     "waiting": s.metrics.waiting,

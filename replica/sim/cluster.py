@@ -12,8 +12,7 @@ scraper does. No sleeps: a simulated hour runs in seconds.
 As with the shipped Envoy configs (``response_body_mode: NONE``), the picker sees no response
 bodies: no first-byte event reaches it, and a request's prefill stops being pending when the
 picker's own accounting predicts or the scraped queue shows it done
-(:mod:`picker.core.accounting`). ``--first-byte-events`` delivers each first token to the picker
-instead, as a config that streams response bodies through ext_proc would.
+(:mod:`picker.core.accounting`).
 
 ``--prefix-mode precise`` (or ``auto``) feeds the picker's precise index from the engines' own KV
 events, delivered ``--event-delay-s`` after the engine step that produced them. They travel the
@@ -112,13 +111,10 @@ class Cluster:
         pickers: int = 1,
         share: frozenset[str] = frozenset(),
         kv_blocks: int = 0,
-        first_byte: bool = False,
     ) -> None:
         assert pickers >= 1 and share <= SHARE, f"bad pickers {pickers} / share {sorted(share)}"
         self.now = 0.0
         self.event_delay_s = event_delay_s
-        self.first_byte = first_byte
-        """Deliver first tokens to the picker (a response-body config); off as shipped."""
         profs = [prof] if isinstance(prof, Profile) else list(prof)
         assert profs, "a cluster needs at least one profile"
         self.model, self.prof = model, profs[0]
@@ -236,8 +232,6 @@ class Cluster:
         for req in rep.core.end(step, self.now):
             router, ticket, arrived = rep.tickets[req.request_id]
             if req.num_output == 1:
-                if self.first_byte:
-                    router.first_token(ticket)
                 self.ttfts.append(self.now - arrived)
             if req.finished:
                 router.finish(ticket)
@@ -340,7 +334,6 @@ def simulate(
     event_delay_s: float = 0.05,
     pickers: int = 1,
     share: frozenset[str] = frozenset(),
-    first_byte: bool = False,
 ) -> Result:
     """Route ``rows`` over ``n`` engines under ``policy`` (a built-in, or a profile of
     ``router_cfg``, the picker's own config as ``--config-file`` loads it)."""
@@ -359,7 +352,6 @@ def simulate(
         event_delay_s=event_delay_s,
         pickers=pickers,
         share=share,
-        first_byte=first_byte,
     )
     c.run(rows, time_scale)
     q = statistics.quantiles(c.ttfts, n=100) if len(c.ttfts) >= 2 else [0.0] * 99
@@ -432,11 +424,6 @@ def main(argv: list[str] | None = None) -> int:
         help="what the pickers share at once: inflight, picks, inflight+picks, or '' (only the KV events); "
         "comma-separated to compare",
     )
-    p.add_argument(
-        "--first-byte-events",
-        action="store_true",
-        help="deliver each first token to the picker (Envoy sending response bodies); off as shipped",
-    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     rows = trace.read(a.trace, a.limit)
@@ -463,7 +450,6 @@ def main(argv: list[str] | None = None) -> int:
             a.event_delay_s,
             a.pickers,
             frozenset(x for x in sh.split("+") if x),
-            a.first_byte_events,
         )
         for mode in a.prefix_mode.split(",")
         for pol in a.policy.split(",")

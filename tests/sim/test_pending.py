@@ -2,7 +2,7 @@
 
 The shipped Envoy configs send the picker no response bodies, so it never sees a first byte.
 Two simulated replicas in discrete-event time (``replica.sim.cluster``, which delivers no
-first-byte events by default, as shipped) serve long streams; at every scrape the picker's count
+first-byte events, as shipped) serve long streams; at every scrape the picker's count
 of requests still in prefill on each replica is compared with the engine's own truth (requests
 without a first token). Released only at the end of the stream, that count would be every
 in-flight request, decodes included.
@@ -52,15 +52,15 @@ class Probe(Cluster):
             self.samples.append((state.load.pending_requests, truth, state.load.in_flight_requests))
 
 
-def probe(first_byte: bool) -> Probe:
-    c = Probe(2, "cost", [FAST, SLOW], block_size=16, first_byte=first_byte)
+def probe() -> Probe:
+    c = Probe(2, "cost", [FAST, SLOW], block_size=16)
     c.samples = []
     c.run(long_streams(60.0, 2.0))
     return c
 
 
 def test_long_streams_do_not_inflate_the_queue_estimate() -> None:
-    c = probe(first_byte=False)
+    c = probe()
     busy = [s for s in c.samples if s[2] > 0]
     assert len(busy) > 200, f"the replicas were idle: {len(busy)} busy samples"
     in_flight = statistics.fmean(s[2] for s in busy)
@@ -74,21 +74,13 @@ def test_long_streams_do_not_inflate_the_queue_estimate() -> None:
     assert max(s[0] - s[1] for s in busy) <= 2, "never more than 2 requests counted pending beyond the truth"
 
 
-def test_without_first_bytes_the_split_and_ttft_match_the_first_byte_run() -> None:
-    """The prediction stands in for the first byte: the same traffic, routed with and without
-    first-byte events, splits alike and has about the same TTFT."""
-    a, b = probe(first_byte=False), probe(first_byte=True)
-    p90 = [statistics.quantiles(c.ttfts, n=10)[8] for c in (a, b)]
-    assert p90[0] < 1.25 * p90[1], p90
-
-
 def state_at(t: float, waiting: float) -> EndpointState:
     s = EndpointState(Endpoint("10.0.0.1", 1))
     s.metrics = EndpointMetrics(waiting=waiting, updated_at=t)
     return s
 
 
-def test_a_prediction_releases_the_prefill_and_a_first_byte_after_it_still_measures() -> None:
+def test_a_prediction_releases_the_prefill_and_a_late_first_byte_releases_nothing_twice() -> None:
     now = [0.0]
     acc = Accounting(clock=lambda: now[0])
     s = state_at(0.0, 0)
@@ -104,8 +96,8 @@ def test_a_prediction_releases_the_prefill_and_a_first_byte_after_it_still_measu
         1,
         500,
     )
-    acc.first_token(t1)  # a late first byte (a config with response bodies) measures, releases nothing twice
-    assert s.load.pending_requests == 1 and s.load.first_byte_samples == 1
+    acc.first_token(t1)  # a late first byte (a config with response bodies) releases nothing twice
+    assert s.load.pending_requests == 1 and s.load.pending_prefill_tokens == 500
     acc.finish(t2)  # the stream ended before its predicted prefill end
     now[0] = 2.0
     acc.expire([s])

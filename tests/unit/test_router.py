@@ -91,34 +91,6 @@ def test_token_id_prompts_use_the_id_count() -> None:
     assert d.cycle.block_tokens == pytest.approx(300 / d.cycle.n_blocks)
 
 
-def test_first_token_feeds_the_prefill_rate_ewma() -> None:
-    router, _, clock = make(1)
-    t1 = router.start(router.route(req("a" * 4096)))  # 1024 uncached tokens
-    assert t1.uncached_tokens == 1024
-    clock.t += 0.5
-    router.first_token(t1)
-    assert router.prefill_rate == pytest.approx(2048.0), "first observation is taken as is"
-    assert t1.state.load.first_byte_rate == pytest.approx(2048.0)
-    assert t1.state.load.first_byte_samples == 1
-    clock.t += 1.0
-    router.first_token(t1)  # only the first byte counts
-    router.finish(t1)
-    assert router.prefill_rate == pytest.approx(2048.0)
-
-    t2 = router.start(router.route(req("b" * 2048)))  # 512 uncached tokens, nothing queued
-    clock.t += 0.125
-    router.first_token(t2)
-    router.finish(t2)
-    assert router.prefill_rate == pytest.approx(0.8 * 2048 + 0.2 * 4096)
-
-    t3 = router.start(router.route(req("c" * 400)))  # 100 tokens: too short to measure a rate
-    clock.t += 10.0
-    router.first_token(t3)
-    router.finish(t3)
-    assert router.prefill_rate == pytest.approx(0.8 * 2048 + 0.2 * 4096)
-    assert t3.state.load.first_byte_samples == 2, "a prefill too short to measure is not a sample"
-
-
 def test_the_calibrated_model_reaches_the_cost_estimate_and_the_explain_api() -> None:
     """Scrapes (not responses) calibrate: after 130 scrape deltas each, the slow endpoint's own
     rate (1,024 tokens/s) and the fast one's (4,096) are in the TTFT estimates, and the explain
@@ -147,20 +119,6 @@ def test_the_calibrated_model_reaches_the_cost_estimate_and_the_explain_api() ->
     assert fast.model.prefill_rate == pytest.approx(4096.0, rel=0.25)
     assert endpoints[slow.key]["model"]["prefill_source"] == "calibrated from 130 scrapes"
     assert endpoints[slow.key]["model"]["step_source"] == "default", "no decode seen yet"
-
-
-def test_queued_work_counts_towards_the_observed_rate() -> None:
-    router, _, clock = make(1)
-    t1 = router.start(router.route(req("a" * 4096)))
-    t2 = router.start(router.route(req("b" * 4096)))
-    assert t2.queued_tokens == 1024, "t1's uncached tokens were pending when t2 was sent"
-    assert t1.state.load.pending_prefill_tokens == 2048
-    clock.t += 1.0
-    router.first_token(t2)
-    assert router.prefill_rate == pytest.approx(2048.0)
-    router.finish(t1)
-    router.finish(t2)
-    assert t1.state.load.pending_prefill_tokens == 0
 
 
 def test_pool_removal_drops_index_entries() -> None:
@@ -350,7 +308,7 @@ def test_recredit_moves_accounting_index_and_rate_to_the_served_endpoint() -> No
     assert not router.recredit(t, b.key) and not router.recredit(t, "10.9.9.9:1")
     clock.t += 1.0
     router.first_token(t)
-    assert b.load.first_byte_samples == 1 and a.load.first_byte_samples == 0
+    assert b.load.pending_prefill_tokens == 0 and not t.pending, "the first byte released it on b"
     router.finish(t)
     for s in (a, b):
         assert (s.load.in_flight_requests, s.load.in_flight_tokens, s.load.pending_prefill_tokens) == (

@@ -150,11 +150,6 @@ class Load:
     """Tickets whose prefill is pending, in send order, each released at its predicted prefill
     end (``Ticket.due``) unless a first byte or the scraped queue releases it first. Entries of
     released, finished or moved tickets are dropped lazily as the head passes them."""
-    first_byte_rate: float = 0.0
-    """Cross-check only (the cost scorer does not read it): observed per-request prefill
-    throughput in tokens/s (EWMA over 2xx streamed responses); 0 means no observation yet."""
-    first_byte_samples: int = 0
-    """Observations folded into ``first_byte_rate``."""
 
 
 @dataclass(slots=True)

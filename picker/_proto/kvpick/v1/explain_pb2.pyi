@@ -59,22 +59,20 @@ class EndpointExplain(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., cached_tokens_est: _Optional[int] = ..., ttft_estimate_s: _Optional[float] = ..., score: _Optional[float] = ..., scores: _Optional[_Mapping[str, float]] = ..., health: _Optional[str] = ..., in_flight_requests: _Optional[int] = ..., waiting: _Optional[float] = ..., kv_usage: _Optional[float] = ..., model: _Optional[_Union[LoadModel, _Mapping]] = ...) -> None: ...
 
 class LoadModel(_message.Message):
-    __slots__ = ("prefill_tokens_per_s", "prefill_source", "step_base_s", "step_per_seq_s", "step_source", "uncached_tokens_per_request", "first_byte_rate_crosscheck")
+    __slots__ = ("prefill_tokens_per_s", "prefill_source", "step_base_s", "step_per_seq_s", "step_source", "uncached_tokens_per_request")
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SOURCE_FIELD_NUMBER: _ClassVar[int]
     STEP_BASE_S_FIELD_NUMBER: _ClassVar[int]
     STEP_PER_SEQ_S_FIELD_NUMBER: _ClassVar[int]
     STEP_SOURCE_FIELD_NUMBER: _ClassVar[int]
     UNCACHED_TOKENS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
-    FIRST_BYTE_RATE_CROSSCHECK_FIELD_NUMBER: _ClassVar[int]
     prefill_tokens_per_s: float
     prefill_source: str
     step_base_s: float
     step_per_seq_s: float
     step_source: str
     uncached_tokens_per_request: float
-    first_byte_rate_crosscheck: float
-    def __init__(self, prefill_tokens_per_s: _Optional[float] = ..., prefill_source: _Optional[str] = ..., step_base_s: _Optional[float] = ..., step_per_seq_s: _Optional[float] = ..., step_source: _Optional[str] = ..., uncached_tokens_per_request: _Optional[float] = ..., first_byte_rate_crosscheck: _Optional[float] = ...) -> None: ...
+    def __init__(self, prefill_tokens_per_s: _Optional[float] = ..., prefill_source: _Optional[str] = ..., step_base_s: _Optional[float] = ..., step_per_seq_s: _Optional[float] = ..., step_source: _Optional[str] = ..., uncached_tokens_per_request: _Optional[float] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
     __slots__ = ("policy", "prompt_tokens_est", "blocks", "chosen", "endpoints")
