@@ -1,6 +1,5 @@
 """The scheduler's two narrow extension points, one ``Protocol`` each, with vLLM's behaviour as
-the default and the replica-side options of the vLLM-plugin issue as alternatives (page-aligned
-prefill chunks were a third; they helped nowhere and were removed: bench/results/replica.md):
+the default and the replica-side options of the vLLM-plugin issue as alternatives:
 
 - ``AdmissionOrder``: in which order waiting requests are tried (vLLM: FCFS; ``CacheAware``:
   longest cached prefix first, except that a request waiting ``aging_s`` or more goes first, so

@@ -1,7 +1,6 @@
 """Options of the prefix-aware scheduler, from ``KVPICK_*`` environment variables or from
 ``--additional-config '{"kvpick": {...}}'`` (the latter wins). Every option off means vLLM's
-own behaviour, unchanged. Page-aligned prefill chunks were an option until they were measured
-to help nowhere (bench/results/replica.md); ``KVPICK_PAGE_ALIGNED_PREFILL`` is now refused."""
+own behaviour, unchanged."""
 
 from __future__ import annotations
 
@@ -45,11 +44,6 @@ def load_options(
     raises ``ValueError`` (a configuration error, not a broken invariant: ``python -O`` must not
     skip it); ``python -m replica.vllm`` turns it into a one-line message and exit status 2."""
     env = os.environ if env is None else env
-    if "KVPICK_PAGE_ALIGNED_PREFILL" in env:
-        raise ValueError(
-            "KVPICK_PAGE_ALIGNED_PREFILL was removed: page-aligned prefill helped nowhere "
-            "(bench/results/replica.md); unset it"
-        )
     raw: dict[str, object] = {
         "cache_aware_admission": env.get("KVPICK_CACHE_AWARE_ADMISSION", ""),
         "dedupe_shared_prefixes": env.get("KVPICK_DEDUPE_SHARED_PREFIXES", ""),

@@ -11,8 +11,7 @@ It overrides narrow hooks only, never ``schedule()``:
   (``--long-prefill-token-threshold``) no budget is ever left beside a pending prefill and the
   gate never fires. It is for replicas that set the cap (see ``replica.sim.policies``).
 
-With every option off the class is vLLM's scheduler, step for step. (Page-aligned prefill chunks
-were a third option; measured, they helped nowhere and were removed: bench/results/replica.md.)
+With every option off the class is vLLM's scheduler, step for step.
 """
 
 from __future__ import annotations
