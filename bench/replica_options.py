@@ -28,10 +28,8 @@ from replica.sim.scheduler import SchedulerConfig
 OPTIONS: dict[str, dict[str, object]] = {
     "none": {},
     "aware": {"cache_aware": True},
-    "dedupe": {"dedupe": True},
     "charge": {"charge_cached_tokens": True},
     "cap": {"long_prefill_token_threshold": 2048},
-    "cap_dedupe": {"long_prefill_token_threshold": 2048, "dedupe": True},
 }
 """name -> SchedulerConfig fields. ``charge`` is the ablation (cached tokens charged to the
 budget, not vLLM's rule); ``cap`` is vLLM's ``--long-prefill-token-threshold 2048``."""

@@ -39,11 +39,6 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--aging-s", type=float, default=2.0)
     p.add_argument(
-        "--dedupe-shared-prefixes",
-        action="store_true",
-        help="defer requests waiting on an in-flight prefix (acts only with --long-prefill-token-threshold)",
-    )
-    p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         default=0,
@@ -95,7 +90,6 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             max_num_seqs=a.max_num_seqs,
             cache_aware=a.cache_aware_admission,
             aging_s=a.aging_s,
-            dedupe=a.dedupe_shared_prefixes,
             long_prefill_token_threshold=a.long_prefill_token_threshold,
         ),
     )

@@ -395,7 +395,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (<1 = more load)")
     p.add_argument("--limit", type=int, default=None, help="use the first N rows")
     p.add_argument("--cache-aware-admission", action="store_true")
-    p.add_argument("--dedupe-shared-prefixes", action="store_true")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="each engine's token budget")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0, help="vLLM's per-request chunk cap")
     p.add_argument(
@@ -432,7 +431,6 @@ def main(argv: list[str] | None = None) -> int:
     sched = SchedulerConfig(
         max_num_batched_tokens=a.max_num_batched_tokens,
         cache_aware=a.cache_aware_admission,
-        dedupe=a.dedupe_shared_prefixes,
         long_prefill_token_threshold=a.long_prefill_token_threshold,
         charge_cached_tokens=a.charge_cached_tokens,
     )

@@ -15,7 +15,7 @@ Per step, with a budget of ``max_num_batched_tokens`` tokens and at most ``max_n
 
 Blocks are registered in the prefix cache when scheduled, as vLLM does, so a request admitted
 later in the same step already hits them. Prefix-cache counters count first admissions only
-(vLLM keeps preempted requests' lookups apart). The options are the hooks of :mod:`.policies`.
+(vLLM keeps preempted requests' lookups apart). The admission order is the hook of :mod:`.policies`.
 """
 
 from __future__ import annotations
@@ -24,14 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .blocks import BlockPool
-from .policies import (
-    AdmissionGate,
-    AdmissionOrder,
-    CacheAware,
-    Dedupe,
-    Fcfs,
-    Never,
-)
+from .policies import AdmissionOrder, CacheAware, Fcfs
 from .request import Request
 
 Batch = list[tuple[Request, int]]
@@ -43,7 +36,6 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     cache_aware: bool = False
     aging_s: float = 2.0
-    dedupe: bool = False
     reserve_full_sequence: bool = True
     long_prefill_token_threshold: int = 0
     """vLLM's ``--long-prefill-token-threshold``: a cap on one request's prefill chunk, applied
@@ -67,7 +59,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.order: AdmissionOrder = CacheAware(cfg.aging_s) if cfg.cache_aware else Fcfs()
-        self.gate: AdmissionGate = Dedupe() if cfg.dedupe else Never()
         self.queries = self.hits = self.preemptions = 0  # prefix-cache counters are in tokens
         self._cap = 0  # the long-prefill cap of the step being scheduled
 
@@ -116,16 +107,12 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: Batch, budget: int, now: float) -> None:
         admitted: list[Request] = []
-        self.gate.begin(self.running)
         for req in self.order.order(self.waiting, self.pool, now):
             if budget <= 0 or len(self.running) + len(admitted) >= self.cfg.max_num_seqs:
                 break
-            if self.gate.defer(req, self.pool):
-                continue
             n = self._admit(req, budget)
             if n <= 0:
                 break
-            self.gate.admitted(req)
             admitted.append(req)
             batch.append((req, n))
             budget -= n

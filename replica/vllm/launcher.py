@@ -58,7 +58,6 @@ def effective_config(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, o
         "command": list(argv),
         "scheduler_options": {
             "cache_aware_admission": opts.cache_aware_admission,
-            "dedupe_shared_prefixes": opts.dedupe_shared_prefixes,
             "aging_s": opts.aging_s,
         },
         "env": {k: v for k, v in sorted(env.items()) if k.startswith(("KVPICK_", "VLLM_", "HF_HUB_OFFLINE"))},

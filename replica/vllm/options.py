@@ -14,13 +14,9 @@ _TRUE = {"1", "true", "yes", "on"}
 @dataclasses.dataclass(frozen=True)
 class PrefixAwareOptions:
     """``cache_aware_admission``: the waiting queue serves the longest cached prefix first, but a
-    request that has waited ``aging_s`` seconds goes first in FCFS order.
-    ``dedupe_shared_prefixes``: a waiting request whose next uncached block is being computed by
-    a running prefill is deferred (up to ``aging_s``), so it is later admitted as a hit. It only
-    acts with vLLM's ``--long-prefill-token-threshold`` (see ``replica.vllm.scheduler``)."""
+    request that has waited ``aging_s`` seconds goes first in FCFS order."""
 
     cache_aware_admission: bool = False
-    dedupe_shared_prefixes: bool = False
     aging_s: float = 2.0
 
     def __post_init__(self) -> None:
@@ -29,7 +25,7 @@ class PrefixAwareOptions:
 
     @property
     def any_on(self) -> bool:
-        return self.cache_aware_admission or self.dedupe_shared_prefixes
+        return self.cache_aware_admission
 
 
 def _flag(value: object) -> bool:
@@ -39,14 +35,12 @@ def _flag(value: object) -> bool:
 def load_options(
     env: Mapping[str, str] | None = None, additional: Mapping[str, object] | None = None
 ) -> PrefixAwareOptions:
-    """Read ``KVPICK_CACHE_AWARE_ADMISSION``, ``KVPICK_DEDUPE_SHARED_PREFIXES`` and
-    ``KVPICK_AGING_S``, then the ``kvpick`` entry of vLLM's additional config. A bad setting
+    """Read ``KVPICK_CACHE_AWARE_ADMISSION`` and ``KVPICK_AGING_S``, then the ``kvpick`` entry of vLLM's additional config. A bad setting
     raises ``ValueError`` (a configuration error, not a broken invariant: ``python -O`` must not
     skip it); ``python -m replica.vllm`` turns it into a one-line message and exit status 2."""
     env = os.environ if env is None else env
     raw: dict[str, object] = {
         "cache_aware_admission": env.get("KVPICK_CACHE_AWARE_ADMISSION", ""),
-        "dedupe_shared_prefixes": env.get("KVPICK_DEDUPE_SHARED_PREFIXES", ""),
         "aging_s": env.get("KVPICK_AGING_S", "2.0"),
     }
     extra = (additional or {}).get("kvpick", {})
@@ -57,6 +51,5 @@ def load_options(
         raw.update(extra)
     return PrefixAwareOptions(
         cache_aware_admission=_flag(raw["cache_aware_admission"]),
-        dedupe_shared_prefixes=_flag(raw["dedupe_shared_prefixes"]),
         aging_s=float(str(raw["aging_s"])),
     )

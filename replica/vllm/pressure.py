@@ -46,12 +46,10 @@ from replica.vllm.tiny import ENV, cpu_binding
 CONFIGS: dict[str, dict[str, object]] = {
     "vllm": {},
     "cache_aware": {"cache_aware_admission": True},
-    "dedupe": {"dedupe_shared_prefixes": True},
     "vllm, cap 128": {"long_prefill_token_threshold": 128},
-    "dedupe, cap 128": {"dedupe_shared_prefixes": True, "long_prefill_token_threshold": 128},
 }
 """name -> ``replica.vllm.trace.BenchScheduler`` options (the rest off)"""
-OPTION_FIELDS = ("cache_aware_admission", "dedupe_shared_prefixes")
+OPTION_FIELDS = ("cache_aware_admission",)
 
 
 @dataclass(frozen=True)

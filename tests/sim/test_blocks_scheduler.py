@@ -168,14 +168,9 @@ def test_cache_aware_admission_raises_hits_within_the_aging_bound() -> None:
 
 def test_a_shared_prefix_is_computed_once() -> None:
     """vLLM caches blocks when it schedules them, so followers admitted in the same step already
-    hit the leader's prefix; the dedupe gate must keep that (and change nothing else here)."""
-
-    def run(dedupe: bool) -> Scheduler:
-        s = Scheduler(BlockPool(64, BS), SchedulerConfig(max_num_batched_tokens=160, dedupe=dedupe))
-        for k in range(4):
-            s.add(req([7] * 32 + [k], max_tokens=1))
-        run_to_end(s)
-        return s
-
-    plain, deduped = run(False), run(True)
-    assert plain.hits == deduped.hits == 3 * 32, "three followers hit the prefix the first one computed"
+    hit the leader's prefix."""
+    s = Scheduler(BlockPool(64, BS), SchedulerConfig(max_num_batched_tokens=160))
+    for k in range(4):
+        s.add(req([7] * 32 + [k], max_tokens=1))
+    run_to_end(s)
+    assert s.hits == 3 * 32, "three followers hit the prefix the first one computed"

@@ -32,10 +32,6 @@ def run(s: Scheduler, names: dict[int, str], now: float = 0.0, limit: int = 200)
     raise AssertionError("the schedule did not finish")
 
 
-def first_step(log: Log, name: str) -> int:
-    return next(i for i, step in enumerate(log) if any(n == name for n, _ in step))
-
-
 def followers(cfg: SchedulerConfig) -> tuple[Log, dict[str, Request]]:
     """A leader and three followers sharing a 32-token prefix nobody has computed, all waiting."""
     s = Scheduler(BlockPool(64, BS), cfg)
@@ -51,16 +47,7 @@ def test_a_block_is_a_hit_as_soon_as_it_is_scheduled() -> None:
     assert [reqs[f"r{i}"].num_cached_tokens for i in range(4)] == [0, 32, 32, 32]
 
 
-def test_dedupe_changes_nothing_without_a_chunk_cap() -> None:
-    """Greedy chunks: budget is left for a follower only once the leader's whole prompt is
-    scheduled, so every block a follower could wait for is already cached."""
-    for budget in (8, 16, 34, 64):
-        plain, _ = followers(SchedulerConfig(max_num_batched_tokens=budget))
-        gated, _ = followers(SchedulerConfig(max_num_batched_tokens=budget, dedupe=True))
-        assert plain == gated, f"budget {budget}: the gate changed the schedule"
-
-
-def test_a_chunk_cap_duplicates_a_shared_prefix_and_dedupe_undoes_it() -> None:
+def test_a_chunk_cap_duplicates_a_shared_prefix() -> None:
     cap = SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=8)
     plain, p_reqs = followers(cap)
     assert plain[0] == [("r0", 8), ("r1", 8), ("r2", 8), ("r3", 8)], "capped: all four start at once"
@@ -68,15 +55,7 @@ def test_a_chunk_cap_duplicates_a_shared_prefix_and_dedupe_undoes_it() -> None:
         "each follower hits the chunks scheduled before it, then computes blocks the leader "
         "computes again in its own later chunks"
     )
-    gated, g_reqs = followers(
-        SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=8, dedupe=True)
-    )
-    assert [k for step in gated for n, k in step if n == "r0"] == [8, 8, 8, 8, 2]
-    for name in ("r1", "r2", "r3"):
-        assert first_step(gated, name) == 3, f"{name} waits for the step scheduling the prefix's last block"
-        assert g_reqs[name].num_cached_tokens == 32, f"{name} is admitted as a full prefix hit"
-    prompt_tokens = [sum(k for step in log for _, k in step) for log in (plain, gated)]
-    assert prompt_tokens[1] == 34 + 3 * 2 < prompt_tokens[0], prompt_tokens
+    assert sum(k for step in plain for _, k in step) > 34 + 3 * 2, "more than the prefix once"
 
 
 def test_the_chunk_cap_applies_only_beside_other_requests() -> None:

@@ -45,7 +45,7 @@ def test_switched_options_schedule_as_built_options_and_trace_it(
     monkeypatch.setenv("KVPICK_BENCH_OPTIONS", str(tmp_path / "options.json"))
     pressure.set_options(str(tmp_path), {})
     bench = make_scheduler(tiny_model_dir, 24, 100, cls=BenchScheduler, max_num_seqs=2, clock=lambda: 0.0)
-    cases = ["vllm", "cache_aware", "dedupe, cap 128", "vllm"]
+    cases = ["vllm", "cache_aware", "vllm, cap 128", "vllm"]
     schedules = []
     for n, name in enumerate(cases):
         options = dict(pressure.CONFIGS[name])

@@ -43,7 +43,6 @@ def test_effective_config_shows_scheduler_options() -> None:
     )
     assert cfg["scheduler_options"] == {
         "cache_aware_admission": True,
-        "dedupe_shared_prefixes": False,
         "aging_s": 0.5,
     }
     assert cfg["env"] == {"KVPICK_AGING_S": "0.5", "KVPICK_CACHE_AWARE_ADMISSION": "1"}
@@ -53,8 +52,8 @@ def test_additional_config_overrides_the_environment() -> None:
     from replica.vllm.options import load_options
 
     env = {"KVPICK_CACHE_AWARE_ADMISSION": "1", "KVPICK_AGING_S": "3"}
-    opts = load_options(env, {"kvpick": {"cache_aware_admission": False, "dedupe_shared_prefixes": True}})
-    assert (opts.cache_aware_admission, opts.dedupe_shared_prefixes, opts.aging_s) == (False, True, 3.0)
+    opts = load_options(env, {"kvpick": {"cache_aware_admission": False}})
+    assert (opts.cache_aware_admission, opts.aging_s) == (False, 3.0)
     with pytest.raises(ValueError, match="unknown kvpick options"):
         load_options({}, {"kvpick": {"no_such_option": True}})
 

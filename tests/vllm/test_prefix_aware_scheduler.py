@@ -51,11 +51,7 @@ def test_all_options_off_equals_vllm(
 
     from replica.vllm.scheduler import PrefixAwareScheduler
 
-    for var in (
-        "KVPICK_CACHE_AWARE_ADMISSION",
-        "KVPICK_DEDUPE_SHARED_PREFIXES",
-    ):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("KVPICK_CACHE_AWARE_ADMISSION", raising=False)
     stream = _stream(seed)
     plain = run_stream(make_scheduler(tiny_model_dir, 60, 100, cls=Scheduler, max_num_seqs=4), stream)
     ours = make_scheduler(tiny_model_dir, 60, 100, cls=PrefixAwareScheduler, max_num_seqs=4)
