@@ -49,12 +49,12 @@ class Pick:
     label: str
     """The ``decision`` label of ``kvpick_requests_total``: ``prefix_hit``, ``prefix_miss`` or
     ``bodiless``, then ``:2xx``-style once the response status is known."""
+    destination: str = ""
+    """The one value of both the destination header and the ``envoy.lb`` metadata (the protocol
+    forbids two different values): :attr:`chosen`, comma-separated. Kept in step with it."""
 
-    @property
-    def destination(self) -> str:
-        """The one value of both the destination header and the ``envoy.lb`` metadata (the
-        protocol forbids two different values): primary first, then fallbacks, comma-separated."""
-        return ",".join(self.chosen)
+    def __post_init__(self) -> None:
+        self.destination = ",".join(self.chosen)
 
 
 class Director:
@@ -139,6 +139,7 @@ class Director:
                 (self.telemetry.served_primary if primary else self.telemetry.served_other).inc()
             if not primary and self.router.recredit(ticket, key):
                 pick.chosen = [key, *(k for k in pick.chosen if k != key)]
+                pick.destination = ",".join(pick.chosen)
         if status:
             pick.label = f"{pick.label}:{status[:1]}xx"
 

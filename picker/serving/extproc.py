@@ -272,6 +272,10 @@ class Exchange:
     """Ask Envoy (``mode_override``) not to send the response path, where the modes allow it."""
     body_answers: BodyAnswers | None = None
     """The service's shared answers to unchanged BUFFERED bodies (None: built per request)."""
+    request_id: str = ""
+    """The client's ``x-request-id``, or the one generated for it at the pick."""
+    destination: str = ""
+    """The pick's destination as the request path answers it (:attr:`Pick.destination`)."""
 
     @property
     def routed(self) -> bool:
@@ -359,20 +363,14 @@ class Exchange:
         self.phase = Phase.ROUTED
         director = self.director
         if not any(chunks):
-            self.pick = director.pick_bodiless(self.headers, self.subset)
-            return None
-        parsed = self.parsed if self.parsed is not None else director.parse(chunks, self.headers)
-        self.pick, new_body = director.pick(parsed, self.subset)
+            pick = self.pick = director.pick_bodiless(self.headers, self.subset)
+            new_body = None
+        else:
+            parsed = self.parsed if self.parsed is not None else director.parse(chunks, self.headers)
+            pick, new_body = director.pick(parsed, self.subset)
+            self.pick = pick
+        self.request_id, self.destination = pick.request_id, pick.destination
         return new_body
-
-    @property
-    def request_id(self) -> str:
-        """The client's ``x-request-id``, or the one generated for it at the pick."""
-        return self.pick.request_id if self.pick is not None else ""
-
-    @property
-    def destination(self) -> str:
-        return self.pick.destination if self.pick is not None else ""
 
     def _mutation(self, body_len: int | None) -> pb.CommonResponse:
         hdrs = [_header(DEST_HEADER, self.destination)]
