@@ -59,7 +59,7 @@ docs: $(STAMP_CORE)
 	$(PY) -m picker.docgen
 
 run: $(STAMP_CORE)
-	$(PY) -m replica.sim.stack --replicas $(REPLICAS) --policy $(POLICY) $(RUN_ARGS)
+	$(PY) -m kvlaunch.run --replicas $(REPLICAS) --policy $(POLICY) $(RUN_ARGS)
 
 bench: $(STAMP_BENCH)
 	$(PY) -m bench --suite quick

@@ -3,7 +3,7 @@
     python -m bench.hardware [--trace ../shared/workloads/mooncake_synthetic_trace.jsonl]
                              [--out bench/results/hardware.md] [--json OUT]
 
-The Mooncake synthetic trace on 8 simulated replicas (``replica.sim.cluster``: discrete-event
+The Mooncake synthetic trace on 8 simulated replicas (``bench.cluster``: discrete-event
 time, the picker's own ``Router``), one fleet per row of :data:`FLEETS`, each with the trace's
 arrivals scaled (``time_scale``) to put the fleet near 80% of its capacity, and the same picker
 config for every fleet (no per-profile tuning: the load model calibrates itself from the
@@ -22,8 +22,8 @@ import json
 import pathlib
 from dataclasses import dataclass
 
-from replica.sim import trace
-from replica.sim.cluster import Result, simulate
+from bench import mooncake_trace as trace
+from bench.cluster import Result, simulate
 from replica.sim.costmodel import profile
 
 DEFAULT_TRACE = (

@@ -1,7 +1,7 @@
 """Hit-rate ceilings of a workload, computed on the token blocks the replicas actually cache.
 
 The ceilings themselves (``ideal_hit_rate``: one infinite cache; ``lru_hit_rate``: one LRU cache of
-a given capacity) live in ``replica.sim.ceilings``, shared with the simulator's cluster mode; this
+a given capacity) live in ``bench.ceilings``, shared with the simulator's cluster mode; this
 module turns a benchmark workload's prompts into the ``(prompt tokens, block hashes)`` they take.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from bench.ceilings import ideal_hit_rate, lru_hit_rate
 from replica.sim import tokenizer
 from replica.sim.blocks import chain_hashes
-from replica.sim.ceilings import ideal_hit_rate, lru_hit_rate
 
 from .workloads import Workload
 

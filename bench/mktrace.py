@@ -1,5 +1,5 @@
 """``python -m bench.mktrace shared-prefix ... -o FILE``: a generated workload as a Mooncake-format
-trace, so cluster mode (``python -m replica.sim.cluster --trace FILE``) can study it in
+trace, so cluster mode (``python -m bench.cluster --trace FILE``) can study it in
 discrete-event time, with no wall-clock noise.
 
 ``shared-prefix`` is SGLang's generated-shared-prefix in trace form: ``groups`` system prompts of
@@ -15,7 +15,7 @@ import random
 import sys
 from collections.abc import Iterator
 
-from replica.sim.trace import BLOCK_TOKENS
+from bench.mooncake_trace import BLOCK_TOKENS
 
 
 def shared_prefix_rows(

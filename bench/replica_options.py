@@ -1,7 +1,7 @@
 """``python -m bench.replica_options``: what each replica scheduler option buys in cluster mode
 under contention, as a Markdown table of medians and [min, max] over ``--seeds`` seeds.
 
-Every run is ``python -m replica.sim.cluster`` (discrete-event, deterministic for a given
+Every run is ``python -m bench.cluster`` (discrete-event, deterministic for a given
 ``--seed``) on the same trace, replicas and policy; only the engines' scheduler options change.
 The seed only changes the picker's tie-breaking, yet under heavy queueing it moves every figure
 as much as an option does, so one seed proves nothing: compare medians and spreads.
@@ -20,8 +20,8 @@ import re
 import statistics
 from collections.abc import Mapping, Sequence
 
-from replica.sim import trace
-from replica.sim.cluster import simulate
+from bench import mooncake_trace as trace
+from bench.cluster import simulate
 from replica.sim.costmodel import profile
 from replica.sim.scheduler import SchedulerConfig
 

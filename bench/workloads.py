@@ -9,7 +9,7 @@ so a shared text prefix of ``k`` tokens is a shared token prefix of ``k`` tokens
 - ``multi_turn``: chat sessions whose prompt is the whole history so far plus a new user turn; turn
   ``k`` of a session is sent after turn ``k-1`` has finished (``Req.after``).
 - ``no_sharing``: every prompt is unique text (the control: no routing can find a hit).
-- ``mooncake``: a Mooncake-format trace replayed through ``replica.sim.trace`` (each hash id is a
+- ``mooncake``: a Mooncake-format trace replayed through ``bench.mooncake_trace`` (each hash id is a
   512-token block of text; ``input_length``, ``output_length`` and ``timestamp`` honoured).
 """
 
@@ -19,7 +19,7 @@ import random
 import string
 from dataclasses import dataclass
 
-from replica.sim import trace
+from bench import mooncake_trace as trace
 
 CHARS_PER_TOKEN = 4
 _ALPHABET = string.ascii_lowercase

@@ -1,7 +1,7 @@
 """Child processes for ``make run``, the benchmarks and the tests: free ports, readiness waits,
 HTTP helpers, and a set of children that is always torn down.
 
-This is the project's one implementation of each; ``replica.sim.stack`` (``make run``), ``bench``
+This is the project's one implementation of each; ``kvlaunch.run`` (``make run``), ``bench``
 and ``tests`` all use it.
 """
 

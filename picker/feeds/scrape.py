@@ -101,7 +101,7 @@ def parse_metrics(text: str, now: float = 0.0) -> EndpointMetrics:
     """vLLM ``/metrics`` text → :class:`EndpointMetrics`. Sums over engines (DP ranks).
 
     The one parser of vLLM metrics in the project: the scraper, ``make run``'s status line
-    (``replica.sim.stack``) and the benchmarks' fleets all read replicas through it."""
+    (``kvlaunch.run``) and the benchmarks' fleets all read replicas through it."""
     m = EndpointMetrics(updated_at=now)
     kv: list[float] = []
     lora_ts = -1.0

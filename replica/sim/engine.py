@@ -3,7 +3,7 @@
 ``EngineCore`` owns the block pool and the scheduler and knows nothing about clocks: ``begin``
 schedules a step and says how long it takes; ``end`` applies it at the time the driver says.
 Two drivers advance time: ``AsyncEngine`` (here) sleeps in real time for the HTTP server, and
-``replica.sim.cluster`` runs many cores in discrete-event time.
+``bench.cluster`` runs many cores in discrete-event time.
 """
 
 from __future__ import annotations

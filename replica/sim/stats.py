@@ -14,7 +14,7 @@
 
 Writer: :meth:`EngineStats.on_step` (the engine, after each step; :meth:`begin` before it) and
 :meth:`forget` on abort. Readers: ``replica.sim.metrics`` (the HTTP ``/metrics``) and
-``replica.sim.cluster`` (the discrete-event scrape), so both export the same numbers.
+``bench.cluster`` (the discrete-event scrape), so both export the same numbers.
 """
 
 from __future__ import annotations

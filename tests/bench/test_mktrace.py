@@ -7,9 +7,9 @@ import pathlib
 
 import pytest
 
-from bench import mktrace
+from bench import cluster, mktrace
+from bench import mooncake_trace as trace
 from picker.core.config import load_file
-from replica.sim import cluster, trace
 from replica.sim.costmodel import profile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

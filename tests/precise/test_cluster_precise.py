@@ -10,9 +10,9 @@ import random
 
 import pytest
 
+from bench import mooncake_trace as trace
+from bench.cluster import Cluster, main, simulate
 from picker.core.config import PrefixConfig, RouterConfig
-from replica.sim import trace
-from replica.sim.cluster import Cluster, main, simulate
 from replica.sim.costmodel import profile
 
 pytestmark = pytest.mark.precise

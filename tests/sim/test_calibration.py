@@ -1,6 +1,6 @@
 """The load model calibrates itself from the replicas' own metrics (``picker.core.calibration``).
 
-Two simulated replicas of different speeds, in discrete-event time (``replica.sim.cluster``: the
+Two simulated replicas of different speeds, in discrete-event time (``bench.cluster``: the
 same engine stats the HTTP ``/metrics`` exports, scraped every 200 ms). Linear profiles make the
 truth exact: a step computing ``T`` tokens for ``S`` requests takes ``overhead + T * per_token +
 S * per_seq``, so the prefill rate is ``1 / per_token`` uncached tokens/s and a decode step with
@@ -13,10 +13,10 @@ import random
 
 import pytest
 
+from bench import mooncake_trace as trace
+from bench.cluster import Cluster
 from picker.core.calibration import CalibrationConfig, Calibrator, delta
 from picker.core.endpoints.types import Endpoint, EndpointMetrics, EndpointModel, EndpointState
-from replica.sim import trace
-from replica.sim.cluster import Cluster
 from replica.sim.costmodel import Profile
 
 FAST = Profile("fast", None, None, overhead_s=0.004, per_token_s=50e-6, per_seq_s=1e-3)

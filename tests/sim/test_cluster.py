@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import pathlib
 
-from replica.sim import tokenizer, trace
-from replica.sim.cluster import Cluster, main, simulate
+from bench import mooncake_trace as trace
+from bench.cluster import Cluster, main, simulate
+from replica.sim import tokenizer
 from replica.sim.costmodel import profile
 
 

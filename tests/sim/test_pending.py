@@ -1,7 +1,7 @@
 """Pending prefill without response bodies (``picker.core.accounting``).
 
 The shipped Envoy configs send the picker no response bodies, so it never sees a first byte.
-Two simulated replicas in discrete-event time (``replica.sim.cluster``, which delivers no
+Two simulated replicas in discrete-event time (``bench.cluster``, which delivers no
 first-byte events, as shipped) serve long streams; at every scrape the picker's count
 of requests still in prefill on each replica is compared with the engine's own truth (requests
 without a first token). Released only at the end of the stream, that count would be every
@@ -13,10 +13,10 @@ from __future__ import annotations
 import random
 import statistics
 
+from bench import mooncake_trace as trace
+from bench.cluster import Cluster
 from picker.core.accounting import Accounting
 from picker.core.endpoints.types import Endpoint, EndpointMetrics, EndpointState
-from replica.sim import trace
-from replica.sim.cluster import Cluster
 from replica.sim.costmodel import Profile
 
 FAST = Profile("fast", None, None, overhead_s=0.004, per_token_s=50e-6, per_seq_s=1e-3)

@@ -242,7 +242,7 @@ def test_stack_stops_its_children_on_sighup() -> None:
     sessions); it must stop them as Ctrl-C does rather than die and orphan them."""
     ports, base, args = _stack_args(1)
     proc = subprocess.Popen(
-        [PY, "-m", "replica.sim.stack", "--replicas=1", "--sim-args=--profile cpu-test", *args],
+        [PY, "-m", "kvlaunch.run", "--replicas=1", "--sim-args=--profile cpu-test", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -275,7 +275,7 @@ def test_a_stop_signal_during_startup_stops_promptly_without_traceback(sig: sign
         [
             PY,
             "-m",
-            "replica.sim.stack",
+            "kvlaunch.run",
             "--replicas=2",
             "--sim-args=--profile cpu-test --host 127.0.0.2",
             *args,
@@ -306,7 +306,7 @@ def test_a_stop_signal_during_startup_stops_promptly_without_traceback(sig: sign
 
 
 def test_sim_args_are_checked_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
-    from replica.sim import stack
+    from kvlaunch import run as stack
 
     with pytest.raises(SystemExit) as e:
         stack.parse_args(["--sim-args", "--profile h100-llama3-8b"])

@@ -1,4 +1,4 @@
-"""``replica.vllm.trace.BenchScheduler`` (the scheduler ``replica.vllm.pressure`` measures with)
+"""``bench.vllm_trace.BenchScheduler`` (the scheduler ``bench.vllm_pressure`` measures with)
 on vLLM's real V1 Scheduler (no model): switched between runs it schedules exactly as our
 scheduler built with those options does, and its trace reads back as that schedule."""
 
@@ -33,10 +33,10 @@ def run(sched: Any, prompts: list[list[int]], tag: str) -> list[list[tuple[int, 
 def test_switched_options_schedule_as_built_options_and_trace_it(
     tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from replica.vllm import pressure
+    from bench import vllm_pressure as pressure
+    from bench.vllm_trace import BenchScheduler
     from replica.vllm.options import PrefixAwareOptions
     from replica.vllm.scheduler import PrefixAwareScheduler
-    from replica.vllm.trace import BenchScheduler
 
     workload = pressure.Workload(groups=4, per_group=3, prefix=96, tail=20)
     prompts = workload.prompts()

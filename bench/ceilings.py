@@ -1,6 +1,6 @@
 """Hit-rate ceilings of a request sequence, on the token blocks the replicas actually cache.
 
-Pure functions, shared by the cluster mode (``replica.sim.cluster``) and the benchmarks
+Pure functions, shared by the cluster mode (``bench.cluster``) and the benchmarks
 (``bench.ideal``). Input: one ``(prompt tokens, chained block hashes)`` pair per request, in send
 order. A request's hit is its leading full blocks already cached, at most
 ``(len - 1) // block_size`` of them (the last prompt token is always computed, as in vLLM and the

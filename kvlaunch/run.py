@@ -1,6 +1,6 @@
 """``make run``: the embedded local stack — a real Envoy, the picker and N simulated replicas.
 
-    python -m replica.sim.stack --replicas 4 --policy cost
+    python -m kvlaunch.run --replicas 4 --policy cost
 
 Prints where to send requests, then a live status line per replica (requests, prefix-cache hit
 rate, queue) read from each replica's vLLM-style ``/metrics``.
@@ -24,9 +24,8 @@ import urllib.request
 
 from kvlaunch import PY, ROOT, Procs, Stack, wait_port
 from picker.feeds.scrape import parse_metrics
-
-from .__main__ import parser as sim_parser
-from .costmodel import profile
+from replica.sim.__main__ import parser as sim_parser
+from replica.sim.costmodel import profile
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -77,7 +76,7 @@ def replica_status(port: int) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m replica.sim.stack",
+        prog="python -m kvlaunch.run",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

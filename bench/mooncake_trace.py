@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import xxhash
 
-from . import tokenizer
+from replica.sim import tokenizer
 
 BLOCK_TOKENS = 512
 CHARS_PER_TOKEN = tokenizer.CHARS_PER_TOKEN

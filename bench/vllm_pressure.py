@@ -1,4 +1,4 @@
-"""``python -m replica.vllm.pressure MODEL_DIR``: the scheduler configurations measured side by
+"""``python -m bench.vllm_pressure MODEL_DIR``: the scheduler configurations measured side by
 side on one real vLLM replica (our launcher, the tiny model), interleaved: round ``i`` runs every
 configuration once, starting one further along the list, ``--repeats`` rounds. Each run starts
 from an empty prefix cache, after a pause that lets the engine's worker leave its busy-wait.
@@ -6,7 +6,7 @@ Prints one JSON line per run (hit rate, TTFT p50/p90/p99, prompt tokens per seco
 the schedule did, read from the engine's schedule trace), then each figure's median and spread
 per configuration.
 
-The replica runs ``replica.vllm.trace.BenchScheduler`` (our scheduler, traced, options switched
+The replica runs ``bench.vllm_trace.BenchScheduler`` (our scheduler, traced, options switched
 between runs), so every configuration runs in the same engine process with the same CPU
 placement. ``vllm`` is every option off, which is vLLM's V1 scheduler step for step
 (``tests/vllm/test_prefix_aware_scheduler.py::test_all_options_off_equals_vllm``).
@@ -48,7 +48,7 @@ CONFIGS: dict[str, dict[str, object]] = {
     "cache_aware": {"cache_aware_admission": True},
     "vllm, cap 128": {"long_prefill_token_threshold": 128},
 }
-"""name -> ``replica.vllm.trace.BenchScheduler`` options (the rest off)"""
+"""name -> ``bench.vllm_trace.BenchScheduler`` options (the rest off)"""
 OPTION_FIELDS = ("cache_aware_admission",)
 
 
@@ -81,7 +81,7 @@ WORKLOADS = {
 
 def prompt_key(tokens: Sequence[int]) -> str:
     """A short name for a prompt, the same here and in the engine's schedule trace
-    (``replica.vllm.trace``; int tuples hash the same in every process)."""
+    (``bench.vllm_trace``; int tuples hash the same in every process)."""
     return format(hash(tuple(tokens)) & 0xFFFFFFFFFFFF, "x")
 
 
@@ -105,7 +105,7 @@ def replica(model: str, port: int, blocks: int, workdir: str) -> Iterator[str]:
     args += [f"ipc:///tmp/kvpick-pressure-{port}.sock", "--host", "127.0.0.1", "--port", str(port)]
     args += ["--enforce-eager", "--block-size", "32", "--max-model-len", "1024", "--dtype", "float32"]
     args += ["--num-gpu-blocks-override", str(blocks), "--max-num-seqs", "4"]
-    args += ["--max-num-batched-tokens", "512", "--scheduler-cls", "replica.vllm.trace.BenchScheduler"]
+    args += ["--max-num-batched-tokens", "512", "--scheduler-cls", "bench.vllm_trace.BenchScheduler"]
     set_options(workdir, {})
     env = {
         **os.environ,
@@ -258,7 +258,7 @@ def summarize(runs: list[dict[str, float]]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m replica.vllm.pressure", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.vllm_pressure", description=__doc__)
     p.add_argument("model")
     p.add_argument("--port", type=int, default=18800)
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="pressure")

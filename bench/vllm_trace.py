@@ -1,9 +1,9 @@
 """The benchmark's scheduler: ours, writing its schedule step by step to a JSON-lines file, with
 its options switched between runs from a file, so that every configuration runs on the same
-engine process, interleaved run by run (``python -m replica.vllm.pressure``). For benchmarks
+engine process, interleaved run by run (``python -m bench.vllm_pressure``). For benchmarks
 only: nothing in the chart or the launcher loads it.
 
-Loaded with ``--scheduler-cls replica.vllm.trace.BenchScheduler``. Environment:
+Loaded with ``--scheduler-cls bench.vllm_trace.BenchScheduler``. Environment:
 
 - ``KVPICK_SCHEDULE_TRACE`` (required): the trace. One line per step that scheduled anything::
 
@@ -11,7 +11,7 @@ Loaded with ``--scheduler-cls replica.vllm.trace.BenchScheduler``. Environment:
        "new": {"KEY": arrival_time, ...},
        "run": [[KEY, computed_before, scheduled, cached_at_admission], ...]}
 
-  ``KEY`` is ``replica.vllm.pressure.prompt_key`` of the prompt, so the client names its
+  ``KEY`` is ``bench.vllm_pressure.prompt_key`` of the prompt, so the client names its
   requests without sending an id; ``t`` and ``arrival_time`` are on the engine's clock
   (``time.time``). Each line is flushed as it is written (the engine is stopped with SIGTERM).
 - ``KVPICK_BENCH_OPTIONS`` (required): a JSON file of :class:`PrefixAwareOptions` fields plus
@@ -33,7 +33,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.request import Request
 
-from replica.vllm.pressure import prompt_key
+from bench.vllm_pressure import prompt_key
 from replica.vllm.queue import CacheAwareQueue
 from replica.vllm.scheduler import PrefixAwareScheduler
 

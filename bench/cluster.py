@@ -1,7 +1,7 @@
-"""``python -m replica.sim.cluster``: N simulated replicas in one process, in discrete-event time,
+"""``python -m bench.cluster``: N simulated replicas in one process, in discrete-event time,
 routed by the picker's own scheduling code (``picker.core.router.Router``, imported as a library).
 
-    python -m replica.sim.cluster --trace ../shared/workloads/mooncake_synthetic_trace.jsonl \\
+    python -m bench.cluster --trace ../shared/workloads/mooncake_synthetic_trace.jsonl \\
         --replicas 64 --policy cost [--json OUT]
 
 Events: request arrivals (the trace's timestamps × ``--time-scale``), engine step completions
@@ -20,8 +20,7 @@ real path: vLLM's wire encoding (``replica.sim.kv_events``), msgpack, the picker
 (``picker.feeds.events``). Requests then carry their token ids, as a tokenizing picker sees them.
 
 Next to the measured hit rate it reports the two ceilings of docs/design.md#hit-rate-ceilings, on
-the same token blocks
-the engines cache (``replica.sim.ceilings``, over the requests sent, in send order): the infinite
+the same token blocks the engines cache (``bench.ceilings``, over the requests sent, in send order): the infinite
 single cache (``ideal_hit_rate``) and one LRU cache holding all replicas' KV blocks together
 (``lru_hit_rate``, capacity ``lru_capacity_blocks``). Ties between equal endpoints are broken by
 a seeded random picker (``--seed``), so a run is reproducible.
@@ -51,13 +50,15 @@ from picker.core.prefix.precise import State, Sync
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
 from picker.feeds import events as kv_events_in
+from replica.sim import kv_events
+from replica.sim.blocks import Event
+from replica.sim.costmodel import Profile, profile
+from replica.sim.engine import EngineConfig, EngineCore, Step
+from replica.sim.request import Request
+from replica.sim.scheduler import SchedulerConfig
 
-from . import ceilings, kv_events, trace
-from .blocks import Event
-from .costmodel import Profile, profile
-from .engine import EngineConfig, EngineCore, Step
-from .request import Request
-from .scheduler import SchedulerConfig
+from . import ceilings
+from . import mooncake_trace as trace
 
 
 @dataclass(eq=False)
@@ -380,7 +381,7 @@ def simulate(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m replica.sim.cluster",
+        prog="python -m bench.cluster",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
