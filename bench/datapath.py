@@ -3,7 +3,7 @@
     flock /tmp/kvpick-heavy.lock python -m bench.datapath              # 3 repeats, writes the table
     python -m bench.datapath --repeats 1 --duration 3 --cases 8k-c64   # a quick look
 
-One fast fixed-response upstream (``bench.upstream``, two ports) serves every router:
+One fast fixed-response upstream (``kvlaunch.upstream --fixed``, two ports) serves every router:
 
 - ``kvpick``: Envoy with the shipped default config (``deploy/envoy/render.py`` defaults: TLS
   ext_proc, ORIGINAL_DST) and our picker (``python -m picker``, default policy); extra variants
@@ -44,7 +44,7 @@ from .routers import PEERS, start_peer
 JSON = {"content-type": "application/json"}
 """vllm-router answers 415 without it (wrk's script sends it too)."""
 STREAM_EVENTS = 256
-"""Events per streamed response (``bench.upstream``'s default ``--chunks``)."""
+"""Events per streamed response (``kvlaunch.upstream``'s default ``--chunks``)."""
 _TICK = os.sysconf("SC_CLK_TCK")
 WRK_MISSING = (
     "bench.datapath needs wrk (an HTTP load generator, Debian package 'wrk'):\n"
@@ -223,7 +223,9 @@ def stack(
     try:
         ports = [free_port(), free_port()]
         ups = [f"127.0.0.1:{p}" for p in ports]
-        children.start("upstream", [PY, "-m", "bench.upstream", "--ports", ",".join(map(str, ports))])
+        children.start(
+            "upstream", [PY, "-m", "kvlaunch.upstream", "--fixed", "--ports", ",".join(map(str, ports))]
+        )
         for p in ports:
             wait_port(p, procs=children)
         targets: dict[str, Target] = {}
