@@ -1,7 +1,7 @@
 """``python -m bench.cluster``: N simulated replicas in one process, in discrete-event time,
 routed by the picker's own scheduling code (``picker.core.router.Router``, imported as a library).
 
-    python -m bench.cluster --trace ../shared/workloads/mooncake_synthetic_trace.jsonl \\
+    python -m bench.cluster [--trace bench/data/mooncake_synthetic_trace.jsonl] \\
         --replicas 64 --policy cost [--json OUT]
 
 Events: request arrivals (the trace's timestamps × ``--time-scale``), engine step completions
@@ -385,7 +385,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--trace", required=True)
+    p.add_argument(
+        "--trace",
+        default=str(trace.DEFAULT_TRACE),
+        help="Mooncake-format trace (JSONL); default: %(default)s",
+    )
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--policy", default="cost", help="comma-separated picker policies to compare")
     p.add_argument(

@@ -1,6 +1,6 @@
 """``python -m bench.hardware``: the cost policy across GPU profiles, in cluster mode.
 
-    python -m bench.hardware [--trace ../shared/workloads/mooncake_synthetic_trace.jsonl]
+    python -m bench.hardware [--trace bench/data/mooncake_synthetic_trace.jsonl]
                              [--out bench/results/hardware.md] [--json OUT]
 
 The Mooncake synthetic trace on 8 simulated replicas (``bench.cluster``: discrete-event
@@ -25,10 +25,6 @@ from dataclasses import dataclass
 from bench import mooncake_trace as trace
 from bench.cluster import Result, simulate
 from replica.sim.costmodel import profile
-
-DEFAULT_TRACE = (
-    pathlib.Path(__file__).resolve().parents[2] / "shared/workloads/mooncake_synthetic_trace.jsonl"
-)
 
 
 @dataclass(frozen=True)
@@ -97,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--trace", default=str(DEFAULT_TRACE))
+    p.add_argument("--trace", default=str(trace.DEFAULT_TRACE), help="Mooncake-format trace (JSONL)")
     p.add_argument("--out", default=None)
     p.add_argument("--json", default=None)
     p.add_argument(

@@ -12,6 +12,7 @@ HTTP). Tokens past the listed blocks are the row's own (a pattern with ``~``, wh
 from __future__ import annotations
 
 import json
+import pathlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -20,6 +21,8 @@ import xxhash
 
 from replica.sim import tokenizer
 
+DEFAULT_TRACE = pathlib.Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl"
+"""The Mooncake synthetic trace, in the repository (``bench/data/README.md``): every study's default."""
 BLOCK_TOKENS = 512
 CHARS_PER_TOKEN = tokenizer.CHARS_PER_TOKEN
 

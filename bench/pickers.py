@@ -45,6 +45,7 @@ import aiohttp
 
 from kvlaunch import ENVOY, PY, ROOT, Procs, free_port, http, wait_port
 
+from . import mooncake_trace
 from .datapath import cpu_seconds
 from .loadgen import LoadConfig, run
 from .stats import summarize
@@ -405,7 +406,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per replica (0: the profile's)")
     p.add_argument("--workload", choices=["shared-prefix", "mooncake"], default="shared-prefix")
-    p.add_argument("--trace", default=str(ROOT.parent / "shared/workloads/mooncake_synthetic_trace.jsonl"))
+    p.add_argument("--trace", default=str(mooncake_trace.DEFAULT_TRACE))
     p.add_argument("--limit", type=int, default=300, help="mooncake: the trace's first N rows")
     p.add_argument("--max-input-tokens", type=int, default=4096, help="mooncake: rows cut to this")
     p.add_argument("--time-scale", type=float, default=0.2, help="mooncake: arrival times multiplied by this")

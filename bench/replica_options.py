@@ -6,7 +6,7 @@ Every run is ``python -m bench.cluster`` (discrete-event, deterministic for a gi
 The seed only changes the picker's tie-breaking, yet under heavy queueing it moves every figure
 as much as an option does, so one seed proves nothing: compare medians and spreads.
 
-    python -m bench.replica_options --trace ../shared/workloads/mooncake_synthetic_trace.jsonl \\
+    python -m bench.replica_options --trace bench/data/mooncake_synthetic_trace.jsonl \\
         --time-scale 0.3 --seeds 0 1 2
     python -m bench.replica_options --summarize '/tmp/rep/m2-*_s[0-9].json'   # runs saved by --json
 """
@@ -68,7 +68,7 @@ def summarize(pattern: str) -> dict[str, list[dict[str, float]]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.replica_options", description=__doc__)
-    p.add_argument("--trace")
+    p.add_argument("--trace", default=str(trace.DEFAULT_TRACE), help="Mooncake-format trace (JSONL)")
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--policy", default="cost")
     p.add_argument("--profile", default="h100-llama-3.1-8b")
@@ -80,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.summarize:
         print(table(summarize(a.summarize)))
         return 0
-    assert a.trace, "--trace is required unless --summarize"
     rows = trace.read(a.trace)
     runs: dict[str, list[dict[str, float]]] = {}
     for name in a.only or OPTIONS:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import pathlib
 from dataclasses import dataclass, field
 
+from . import mooncake_trace
 from .routers import ROUTERS
 from .workloads import Workload, mooncake, multi_turn, no_sharing, shared_prefix
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = mooncake_trace.DEFAULT_TRACE
 
 
 @dataclass
