@@ -34,10 +34,12 @@ $(STAMP): $(STAMP_BENCH)
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
-# Picker only (no torch, no vllm): what the picker image installs.
+# Picker only (no torch, no vllm; of kvpick the picker and proto packages): what the picker image
+# installs. Not editable; build/ goes first, so that no other package of an earlier build rides along.
 install-picker:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e .
+	rm -rf build kvpick.egg-info
+	KVPICK_PACKAGES=picker,proto $(PY) -m pip install -q .
 
 proto: $(STAMP_CORE)  ## regenerate picker/_proto from proto/ (committed)
 	$(PY) -m proto

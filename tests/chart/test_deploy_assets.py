@@ -13,6 +13,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import zipfile
 from typing import Any
 
 import kubernetes_validate
@@ -258,3 +259,85 @@ def test_e2e_checks_read_counters_as_prometheus_writes_them() -> None:
     text = generate_latest(reg).decode()
     assert checks.counter_sum(text, "vllm:request_success_total") == 5.0
     assert checks.counter_sum(text, "vllm:prefix_cache_hits_total") == 0.0
+
+
+def _copied(dockerfile: str) -> set[str]:
+    """The build-context paths a Dockerfile's COPY lines take (``--from`` stages aside)."""
+    out: set[str] = set()
+    for line in (ROOT / "deploy/docker" / dockerfile).read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and not any(w.startswith("--from") for w in words):
+            out.update(w.rstrip("/") for w in words[1:-1] if not w.startswith("--"))
+    return out
+
+
+def _sent(dockerfile: str) -> set[str]:
+    """What the Dockerfile's ``.dockerignore`` lets into the build context (``*``, then ``!path``)."""
+    lines = (ROOT / "deploy/docker" / f"{dockerfile}.dockerignore").read_text().splitlines()
+    assert "*" in lines, "the ignore file must start from nothing"
+    return {ln[1:] for ln in lines if ln.startswith("!")}
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "packages"),
+    [("Dockerfile.picker", {"picker", "proto"}), ("Dockerfile.sim", {"replica"})],
+)
+def test_image_holds_only_its_packages(dockerfile: str, packages: set[str], tmp_path: pathlib.Path) -> None:
+    """The picker image gets picker and proto and nothing else of kvpick, the simulator's image
+    only replica: the context sent, the files copied, and the wheel that the Dockerfile's install
+    line builds from exactly those files (KVPICK_PACKAGES as the Dockerfile sets it)."""
+    support = {
+        "pyproject.toml",
+        "setup.py",
+        "README.md",
+        "deploy/docker/pip-install.sh",
+        "deploy/docker/requirements.py",
+    }
+    copied = _copied(dockerfile)
+    assert copied == support | packages
+    assert _sent(dockerfile) == copied
+    text = (ROOT / "deploy/docker" / dockerfile).read_text()
+    assert f"KVPICK_PACKAGES={','.join(sorted(packages, key=['picker', 'proto', 'replica'].index))} " in text
+    src = tmp_path / "src"
+    for path in copied:
+        dest = src / pathlib.Path(path).name if path.startswith("deploy/") else src / path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if (ROOT / path).is_dir():
+            shutil.copytree(ROOT / path, dest, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / path, dest)
+    env = {**os.environ, "KVPICK_PACKAGES": ",".join(sorted(packages))}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            str(src),
+            "-w",
+            str(tmp_path / "w"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=180,
+    )
+    (wheel,) = (tmp_path / "w").glob("kvpick-*.whl")
+    top = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {t for t in top if not t.endswith(".dist-info")} == packages
+
+
+def test_setup_refuses_an_unknown_package() -> None:
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "--name"],
+        cwd=ROOT,
+        env={**os.environ, "KVPICK_PACKAGES": "picker,nosuch"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0 and "nosuch" in proc.stdout + proc.stderr
