@@ -15,39 +15,61 @@ from .server import make_app, serve
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m replica.sim", description=__doc__)
-    p.add_argument("--port", type=int, default=8000)
+    p = argparse.ArgumentParser(
+        prog="python -m replica.sim",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API, /metrics, /health)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a container)")
-    p.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
     p.add_argument(
-        "--profile", default="h100-llama-3.1-8b", help="cpu-test, or <gpu>-<model>, e.g. a100-qwen3-32b"
+        "--model", default="meta-llama/Llama-3.1-8B-Instruct", help="model name served and reported"
     )
     p.add_argument(
-        "--time-scale", type=float, default=1.0, help="multiply every step time (0.1 = 10x faster)"
+        "--profile",
+        default="h100-llama-3.1-8b",
+        help="cost model: cpu-test, or <gpu>-<model>, e.g. a100-qwen3-32b",
     )
-    p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
-        "--num-gpu-blocks", "--kv-blocks", type=int, default=0, help="KV blocks (0: derived from the profile)"
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="factor on every engine step time (0.1: ten times faster than the profile)",
     )
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16, help="KV block size, in tokens")
+    p.add_argument(
+        "--num-gpu-blocks",
+        "--kv-blocks",
+        type=int,
+        default=0,
+        help="KV cache size, in blocks (0: derived from the profile)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="token budget of one engine step, in tokens"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     p.add_argument(
         "--cache-aware-admission",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="longest cached prefix first, within --aging-s (on, as the chart's vLLM replicas)",
     )
-    p.add_argument("--aging-s", type=float, default=2.0)
+    p.add_argument(
+        "--aging-s",
+        type=float,
+        default=2.0,
+        help="seconds a request may wait before cache-aware admission takes it first-come-first-served",
+    )
     p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         default=0,
-        help="cap one request's prefill chunk (as vLLM)",
+        help="cap one request's prefill chunk, in tokens, as vLLM (0: no cap)",
     )
     p.add_argument(
         "--kv-events-port", type=int, default=0, help="publish vLLM KV events on tcp://HOST:PORT (0: off)"
     )
-    p.add_argument("--kv-events-topic", default="kv")
+    p.add_argument("--kv-events-topic", default="kv", help="ZMQ topic of the KV events")
     p.add_argument(
         "--data-parallel-rank",
         type=int,
@@ -66,7 +88,12 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         help="adapters served besides --model: NAME or NAME=PATH (as vLLM)",
     )
-    p.add_argument("--max-loras", type=int, default=1)
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="max_lora reported in vllm:lora_requests_info (as vLLM's --max-loras)",
+    )
     p.add_argument(
         "--enable-force-include-usage",
         action="store_true",
