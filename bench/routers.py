@@ -41,8 +41,12 @@ def _picker_envoy(
     """Our picker behind Envoy (the shared launcher), Envoy in pool mode over the fleet and
     ``envoy_args`` (more ``render.py`` flags). ``source``: another source tree's picker and Envoy
     config (``PYTHONSAFEPATH`` keeps this checkout, the working directory, off the path, so
-    ``PYTHONPATH`` decides which ``picker`` is imported; its own ``render.py``)."""
-    st = Stack(procs, fleet.ports, root=pathlib.Path(source)) if source else Stack(procs, fleet.ports)
+    ``PYTHONPATH`` decides which ``picker`` is imported; its own ``render.py``, whose listener may
+    predate ``--listen-address``: it binds the default, 0.0.0.0)."""
+    if source:
+        st = Stack(procs, fleet.ports, root=pathlib.Path(source), listen_host="0.0.0.0")
+    else:
+        st = Stack(procs, fleet.ports)
     st.start_picker(
         "--policy",
         policy,

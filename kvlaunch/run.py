@@ -2,8 +2,11 @@
 
     python -m kvlaunch.run --replicas 4 --policy cost
 
-Prints where to send requests, then a live status line per replica (requests, prefix-cache hit
-rate, queue) read from each replica's vLLM-style ``/metrics``.
+Checks every port it needs before starting anything (a port in use: exit 1, naming it). Then
+prints where to send requests, and a status line per replica (requests, prefix-cache hit rate,
+queue) read from each replica's vLLM-style ``/metrics``: redrawn in place on a terminal, else
+(``make run | tee log``) one plain timestamped line for all replicas every ``--status-interval``.
+Envoy listens on 127.0.0.1 unless ``--listen-host`` says otherwise.
 
 Stopping: Ctrl-C, SIGTERM and SIGHUP (the terminal closed) all stop every child process group and
 wait for it, so nothing is left behind. The children run in their own sessions, so a terminal's
@@ -15,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import pathlib
 import shlex
 import signal
+import socket
 import sys
 import time
 import urllib.request
@@ -60,7 +65,8 @@ class StopFlag:
         self.check()
 
 
-def replica_status(port: int) -> str:
+def replica_status(port: int, compact: bool = False) -> str:
+    """One replica's figures from its ``/metrics``; ``compact``: the plain (non-terminal) form."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as resp:
             text = resp.read().decode()
@@ -68,10 +74,60 @@ def replica_status(port: int) -> str:
         return f"unreachable ({exc.__class__.__name__})"
     m = parse_metrics(text)
     hit = m.prefix_hits_total / m.prefix_queries_total if m.prefix_queries_total else 0.0
+    if compact:
+        return (
+            f"req {int(m.request_success_total)} hit {hit:.1%} run {int(m.running)} "
+            f"wait {int(m.waiting)} kv {m.kv_usage:.1%}"
+        )
     return (
         f"requests {int(m.request_success_total):>6}  hit rate {hit:6.1%}  "
         f"running {int(m.running):>3}  waiting {int(m.waiting):>3}  kv {m.kv_usage:5.1%}"
     )
+
+
+def ports_needed(args: argparse.Namespace) -> dict[int, str]:
+    """Every port the stack binds -> what binds it and the flag that moves it."""
+    need: dict[int, str] = {}
+    for port, what in [
+        (args.port, "Envoy listener (--port)"),
+        (args.admin_port, "Envoy admin (--admin-port)"),
+        (args.picker_port, "picker ext_proc (--picker-port)"),
+        (args.picker_port + 1, "picker gRPC health (--picker-port + 1)"),
+        (args.metrics_port, "picker metrics (--metrics-port)"),
+        (args.metrics_port + 1, "picker debug API (--metrics-port + 1)"),
+        *((args.base_port + i, f"replica {i} (--base-port + {i})") for i in range(args.replicas)),
+    ]:
+        if port in need:
+            raise ValueError(f"port {port} is both the {need[port]} and the {what}")
+        need[port] = what
+    return need
+
+
+def port_problem(port: int) -> str | None:
+    """Why ``port`` cannot be bound, or None. A bind to the wildcard address fails while a listener
+    holds the port on any local address; SO_REUSEADDR, as servers set it, lets connections in
+    TIME_WAIT not count."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError as exc:
+            return "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+    return None
+
+
+def check_ports(args: argparse.Namespace) -> str | None:
+    """None when every port the stack needs is free, else why not (naming the port)."""
+    try:
+        need = ports_needed(args)
+    except ValueError as exc:
+        return str(exc)
+    for port, what in need.items():
+        if not 0 < port < 65536:
+            return f"port {port} for the {what} is not a TCP port"
+        if (problem := port_problem(port)) is not None:
+            return f"port {port} {problem} (wanted for the {what}): free it, or choose another port"
+    return None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -85,6 +141,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--policy", default="cost", help="picker policy: cost, weighted, round-robin, least-loaded"
     )
     p.add_argument("--port", type=int, default=8080, help="Envoy listener port")
+    p.add_argument(
+        "--listen-host",
+        default="127.0.0.1",
+        help="address Envoy listens on (0.0.0.0: reachable from other machines)",
+    )
     p.add_argument("--base-port", type=int, default=8001, help="first replica port")
     p.add_argument(
         "--picker-port", type=int, default=9002, help="picker ext_proc port (+1 health; metrics 9090)"
@@ -99,9 +160,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "'--profile h100-llama-3.1-8b --time-scale 0.1'",
     )
     p.add_argument("--run-dir", default=str(ROOT / ".run"), help="logs and generated configs")
-    p.add_argument("--status-interval", type=float, default=1.0)
     p.add_argument(
-        "--once", action="store_true", help="print one status block and keep running without redraws"
+        "--status-interval",
+        type=float,
+        default=None,
+        help="seconds between status updates (default: 1 on a terminal, 5 otherwise)",
+    )
+    p.add_argument(
+        "--once", action="store_true", help="print one status block and keep running without updates"
     )
     a = p.parse_args(argv)
     try:  # a misspelt replica flag or profile fails here, before anything starts
@@ -131,6 +197,7 @@ def start(args: argparse.Namespace, procs: Procs) -> list[int]:
     st = Stack(
         procs,
         ports,
+        listen_host=args.listen_host,
         envoy_port=args.port,
         admin_port=args.admin_port,
         grpc_port=args.picker_port,
@@ -147,7 +214,7 @@ def start(args: argparse.Namespace, procs: Procs) -> list[int]:
 
 def banner(args: argparse.Namespace, ports: list[int]) -> str:
     return f"""
-kvpick local stack is up: Envoy :{args.port} → picker :{args.picker_port} (policy {args.policy}) → {len(ports)} simulated replicas :{ports[0]}-{ports[-1]}
+kvpick local stack is up: Envoy {args.listen_host}:{args.port} → picker :{args.picker_port} (policy {args.policy}) → {len(ports)} simulated replicas :{ports[0]}-{ports[-1]}
 
   curl -s http://127.0.0.1:{args.port}/v1/completions -H 'content-type: application/json' \\
        -d '{{"model": "{args.model}", "prompt": "You are a helpful assistant. Hello!", "max_tokens": 16}}'
@@ -162,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run_dir = pathlib.Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if (clash := check_ports(args)) is not None:
+        _say(f"kvpick local stack not started: {clash}", err=True)
+        return 1
     flag = StopFlag()
     flag.install()
     procs = Procs(run_dir, flag)
@@ -170,18 +240,15 @@ def main(argv: list[str] | None = None) -> int:
         ports = start(args, procs)
         up = True
         print(banner(args, ports), flush=True)
-        tty = sys.stdout.isatty() and not args.once
+        tty = sys.stdout.isatty()
+        interval = args.status_interval or (1.0 if tty else 5.0)
         drawn = False
         while True:
             procs.check()
-            lines = [f"  replica :{p}  {replica_status(p)}" for p in ports]
-            if tty and drawn:
-                sys.stdout.write(f"\x1b[{len(lines)}F")
-            if tty or not drawn:
-                sys.stdout.write("\n".join(f"{ln}\x1b[K" if tty else ln for ln in lines) + "\n")
-                sys.stdout.flush()
+            if not (args.once and drawn):
+                _status(ports, tty, redraw=drawn)
                 drawn = True
-            flag.sleep(args.status_interval)
+            flag.sleep(interval)
     except Interrupted as exc:
         _say(f"\n{exc}{'' if up else ' during startup'}: stopping.")
         return 0
@@ -193,6 +260,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         procs.stop()
         _say("stopped: envoy, picker and replicas are down.")
+
+
+def _status(ports: list[int], tty: bool, redraw: bool) -> None:
+    """On a terminal, a block of one line per replica, drawn over the last one (``redraw``);
+    elsewhere (a pipe, a file), one plain timestamped line for all replicas."""
+    if tty:
+        lines = [f"  replica :{p}  {replica_status(p)}\x1b[K" for p in ports]
+        sys.stdout.write((f"\x1b[{len(lines)}F" if redraw else "") + "\n".join(lines) + "\n")
+    else:
+        status = " | ".join(f":{p} {replica_status(p, compact=True)}" for p in ports)
+        sys.stdout.write(f"[{time.strftime('%H:%M:%S')}] {status}\n")
+    sys.stdout.flush()
 
 
 def _say(text: str, err: bool = False) -> None:

@@ -39,6 +39,9 @@ class Stack:
     metrics_port: int = 0
     debug_port: int = 0
     """The picker's debug API (``--enable-debug-api``, on loopback); 0 while it is off."""
+    listen_host: str = "127.0.0.1"
+    """The address Envoy's listener binds (``render.py --listen-address``): this machine only,
+    unless a caller asks for more (``0.0.0.0``)."""
     root: pathlib.Path = ROOT
     """The source tree whose ``deploy/envoy/render.py`` renders Envoy's config (another tree's,
     to run its picker with its own Envoy config beside this one's)."""
@@ -93,6 +96,8 @@ class Stack:
         self.envoy_port = self.envoy_port or free_port()
         self.admin_port = self.admin_port or free_port()
         cmd = [PY, str(self.root / "deploy/envoy/render.py"), "--listen-port", str(self.envoy_port)]
+        if self.listen_host != "0.0.0.0":  # a tree's renderer from before the flag binds 0.0.0.0
+            cmd += ["--listen-address", self.listen_host]
         cmd += ["--admin-port", str(self.admin_port), "--picker", f"127.0.0.1:{self.grpc_port}", "-o", "-"]
         # its own session: a Ctrl-C is make run's to handle, not a traceback of the renderer's
         done = subprocess.run(

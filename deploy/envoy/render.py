@@ -665,6 +665,7 @@ def render(
     stream_bodies_over: int | None = None,
     access_log: str = "",
     preserve_request_id: bool = False,
+    listen_address: str = "0.0.0.0",
 ) -> dict[str, Any]:
     """The whole Envoy bootstrap. ``body_mode`` is the request body's; ``picker`` is one or more
     comma-separated ext_proc addresses; see the module doc."""
@@ -687,7 +688,7 @@ def render(
     ext_proc = _ext_proc(picker, failure_open, body_mode, response_body_mode)
     listener: dict[str, Any] = {
         "name": "kvpick",
-        "address": {"socket_address": {"address": "0.0.0.0", "port_value": listen_port}},
+        "address": {"socket_address": {"address": listen_address, "port_value": listen_port}},
         "filter_chains": [
             {
                 "filters": [
@@ -728,6 +729,11 @@ def _split(text: str) -> list[str]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--listen-port", type=int, default=8080)
+    p.add_argument(
+        "--listen-address",
+        default="0.0.0.0",
+        help="address of the listener (127.0.0.1: this machine only; make run's default)",
+    )
     p.add_argument("--admin-port", type=int, default=9901, help="bound to 127.0.0.1")
     p.add_argument(
         "--picker",
@@ -822,6 +828,7 @@ def main(argv: list[str] | None = None) -> int:
             stream_bodies_over=a.stream_bodies_over,
             access_log=a.access_log,
             preserve_request_id=a.preserve_request_id,
+            listen_address=a.listen_address,
         )
     except ValueError as err:
         parser().error(str(err))

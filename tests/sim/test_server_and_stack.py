@@ -336,3 +336,69 @@ def _read_until(proc: subprocess.Popen[bytes], marker: bytes, timeout: float) ->
 def _open(addr: tuple[str, int]) -> bool:
     with socket.socket() as s:
         return s.connect_ex(addr) == 0
+
+
+@pytest.mark.parametrize("which", ["port", "replica"])
+def test_a_port_in_use_stops_make_run_before_it_starts_anything(which: str, tmp_path: pathlib.Path) -> None:
+    """A listener on one of the stack's ports (Envoy's, or a replica's on another loopback address):
+    exit 1 at once, naming the port, with no banner and no child started."""
+    ports, base, args = _stack_args(2)
+    taken, host = (ports["port"], "127.0.0.1") if which == "port" else (base + 1, "127.0.0.3")
+    with socket.socket() as holder:
+        holder.bind((host, taken))
+        holder.listen()
+        done = subprocess.run(
+            [PY, "-m", "kvlaunch.run", "--replicas=2", f"--run-dir={tmp_path}", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"port {taken} is in use" in done.stderr, done.stderr
+    assert "stack is up" not in done.stdout and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert not list(tmp_path.glob("*.log")), "a child was started"
+
+
+def test_ports_the_stack_would_bind_twice_are_refused() -> None:
+    from kvlaunch import run
+
+    args = run.parse_args(["--replicas=3", "--base-port=8001", "--picker-port=8002"])
+    assert run.check_ports(args) == (
+        "port 8002 is both the picker ext_proc (--picker-port) and the replica 1 (--base-port + 1)"
+    )
+    clash = run.check_ports(run.parse_args(["--metrics-port=8079"]))
+    assert (
+        clash == "port 8080 is both the Envoy listener (--port) and the picker debug API (--metrics-port + 1)"
+    )
+
+
+@pytest.mark.envoy
+def test_make_run_piped_prints_status_lines_and_envoy_listens_on_loopback(tmp_path: pathlib.Path) -> None:
+    """Stdout a pipe (``make run | tee log``): a plain status line keeps coming, every
+    ``--status-interval``; Envoy's listener is bound to 127.0.0.1 only."""
+    ports, base, args = _stack_args(1)
+    args.remove("--once")
+    proc = subprocess.Popen(
+        [
+            *(PY, "-m", "kvlaunch.run", "--replicas=1", "--sim-args=--profile cpu-test"),
+            *("--status-interval=0.3", f"--run-dir={tmp_path}", *args),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        _read_until(proc, b"Ctrl-C stops everything", 90)
+        post_json(f"http://127.0.0.1:{ports['port']}/v1/completions", {"model": MODEL, "prompt": "hi"})
+        out = _read_until(proc, b"req 1 hit", 30)  # the request shows up in a later line
+        out += _read_until(proc, f"] :{base} req 1 ".encode(), 10)
+        lines = [ln for ln in out.decode().splitlines() if ln.startswith("[")]
+        assert len(lines) >= 2 and "\x1b" not in out.decode(), out
+        assert _open(("127.0.0.1", ports["port"])) and not _open(("127.0.0.2", ports["port"]))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and b"stopped" in rest, rest
