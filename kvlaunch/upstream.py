@@ -174,7 +174,7 @@ def make_fixed_app(port: int, chunks: int) -> web.Application:
 
 
 async def serve(ports: list[int], host: str = "127.0.0.1", fixed: bool = False, chunks: int = 256) -> None:
-    """One app per port on ``host`` (IPv4 or IPv6), TCP_NODELAY (DESIGN §5), until cancelled."""
+    """One app per port on ``host`` (IPv4 or IPv6), TCP_NODELAY (docs/design.md, the latency pitfall), until cancelled."""
     runners = []
     for port in ports:
         app = make_fixed_app(port, chunks) if fixed else make_app(port)

@@ -16,6 +16,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRACE_SHA256 = "bd070915a98fc0ed264d7cfef2ce746002eb3076a695ec31ba2674c0111ec131"
 
 
+OUTSIDE = (".." + "/shared/", "/work" + "/shared", "DESIGN" + " §")
+"""Paths outside the repository, and the old design document's citations (spelled in pieces so
+this file does not hold them)."""
+
+
 def test_default_trace_is_the_mooncake_copy_in_the_repository() -> None:
     path = mooncake_trace.DEFAULT_TRACE
     assert path.is_absolute() and path.is_relative_to(ROOT / "bench" / "data")
@@ -34,13 +39,15 @@ def test_no_tracked_file_points_into_the_shared_folder() -> None:
             "grep",
             "-n",
             "-I",
+            "-F",
             "-e",
-            "../shared/",
+            OUTSIDE[0],
             "-e",
-            "/work/shared",
+            OUTSIDE[1],
+            "-e",
+            OUTSIDE[2],
             "--",
             ".",
-            ":!tests/bench/test_self_contained.py",
         ],
         cwd=ROOT,
         capture_output=True,

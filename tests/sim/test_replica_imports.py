@@ -1,4 +1,4 @@
-"""``replica/`` is only what runs beside a model server (DESIGN §2): no file under it imports the
+"""``replica/`` is only what runs beside a model server (docs/design.md#the-layout): no file under it imports the
 picker, the launcher or the benchmarks, and the simulator (``replica/sim``) imports neither torch
 nor vllm. Every import is checked, including those inside functions, with relative imports
 resolved to the package they name."""
