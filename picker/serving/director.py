@@ -49,12 +49,9 @@ class Pick:
     label: str
     """The ``decision`` label of ``kvpick_requests_total``: ``prefix_hit``, ``prefix_miss`` or
     ``bodiless``, then ``:2xx``-style once the response status is known."""
-    destination: str = ""
+    destination: str
     """The one value of both the destination header and the ``envoy.lb`` metadata (the protocol
     forbids two different values): :attr:`chosen`, comma-separated. Kept in step with it."""
-
-    def __post_init__(self) -> None:
-        self.destination = ",".join(self.chosen)
 
 
 class Director:
@@ -68,6 +65,8 @@ class Director:
         parser: BodyParser | None = None,
     ) -> None:
         self.router, self.tokenization, self.telemetry, self.parser = router, tokenization, telemetry, parser
+        self.tokenizes = tokenization.enabled
+        """Whether every body goes through :meth:`prepare` (fixed at construction)."""
         self.parse_options = router.parse_options
         """How bodies are parsed: the router's view, keeping the document when tokenization
         needs it (the router sets that from the same config)."""
@@ -78,7 +77,7 @@ class Director:
         tokenization) rather than straight to :meth:`pick`."""
         if size <= 0:
             return False
-        return self.tokenization.enabled or (self.parser is not None and self.parser.offloads(size))
+        return self.tokenizes or (self.parser is not None and self.parser.offloads(size))
 
     async def prepare(
         self,
@@ -95,7 +94,7 @@ class Director:
         else:
             parsed = self.parse(chunks, headers)
         req, new_body, doc = parsed
-        if doc is not None and self.tokenization.enabled:
+        if doc is not None and self.tokenizes:
             req = await self.tokenization.tokenize(req, doc, path, size, subset)
             parsed = (req, new_body, doc)
         return parsed
@@ -120,13 +119,14 @@ class Director:
             t.count_request(req.model, req.model)
             if cyc.n_blocks:
                 t.prefix_hit_ratio.observe(ticket.matched_blocks / cyc.n_blocks)
-        return Pick(req.request_id, chosen, ticket, label), new_body
+        return Pick(req.request_id, chosen, ticket, label, ",".join(chosen)), new_body
 
     def pick_bodiless(self, headers: Mapping[str, str], subset: Collection[str] | None = None) -> Pick:
         """A request with no body (GET /v1/models): any ready endpoint, no scheduling, index or
         accounting work."""
         rid = request_mod.request_id_of(headers)
-        return Pick(rid, [self.router.any_ready(subset).key], None, "bodiless")
+        key = self.router.any_ready(subset).key
+        return Pick(rid, [key], None, "bodiless", key)
 
     # -- after the pick -------------------------------------------------------------------------
     def served(self, pick: Pick, key: str | None, status: str) -> None:

@@ -547,11 +547,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """:meth:`_dispatch`, timing only the call that makes the pick (the e2e histogram holds
         one sample per picked request). Raises only :class:`PickerError`."""
         try:
-            if self.telemetry is None or ex.routed:
+            phase = ex.phase  # identity checks, not the property: this runs for every message
+            if self.telemetry is None or not (phase is Phase.HEADERS or phase is Phase.BODY):
                 return self._dispatch(ex, msg)
             start = time.perf_counter()
             out = self._dispatch(ex, msg)
-            if ex.routed:
+            if ex.phase is Phase.ROUTED:
                 self.telemetry.e2e.observe(time.perf_counter() - start)
             return out
         except PickerError:
