@@ -36,10 +36,12 @@ $(STAMP): $(STAMP_BENCH)
 
 # Picker only (no torch, no vllm; of kvpick the picker and proto packages): what the picker image
 # installs. Not editable; build/ goes first, so that no other package of an earlier build rides along.
+# Its own virtualenv (PICKER_VENV), so that it never replaces the editable dev install in .venv.
+PICKER_VENV ?= .venv-picker
 install-picker:
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PICKER_VENV)/bin/python || $(PYTHON) -m venv $(PICKER_VENV)
 	rm -rf build kvpick.egg-info
-	KVPICK_PACKAGES=picker,proto $(PY) -m pip install -q .
+	KVPICK_PACKAGES=picker,proto $(PICKER_VENV)/bin/python -m pip install -q .
 
 proto: $(STAMP_CORE)  ## regenerate picker/_proto from proto/ (committed)
 	$(PY) -m proto
