@@ -332,6 +332,20 @@ def _need_bytes(cfg: Config, batch: int, new: int, length: int, elem: int, expan
     return cfg.kv_bytes(batch, length, elem), act
 
 
+def does_not_fit(cfg: Config, kind: str, a: int, b: int, elem: int, expand: bool, free: int) -> str | None:
+    """Why the step does not fit in ``free`` bytes, or None: its KV cache and working set
+    (:func:`_need_bytes`) and a margin of 1 GiB and 5% of the free memory (workspaces, graph pool)."""
+    batch, new, start = (1, a, b) if kind == "prefill" else (a, 1, b)
+    kv, act = _need_bytes(cfg, batch, new, start + new, elem, expand)
+    margin = GiB + free // 20
+    if kv + act + margin <= free:
+        return None
+    return (
+        f"does not fit: KV cache {kv / GiB:.1f} GiB + activations {act / GiB:.1f} GiB "
+        f"+ margin {margin / GiB:.1f} GiB > free {free / GiB:.1f} GiB"
+    )
+
+
 def _probe_attention(model: Decoder) -> str:
     """On GPU, whether the flash kernel takes native GQA for all three masks the steps use;
     if not, K and V are repeated to the query heads (vLLM never does: it costs memory traffic)."""
@@ -469,21 +483,12 @@ def run(out_dir: pathlib.Path, dry: bool, budget_s: float | None = None) -> dict
         todo = [("prefill", n, c) for n, c in plan.prefill] + [("decode", b, c) for b, c in plan.decode]
         for kind, a, b in todo:
             pt = _point(kind, a, b)
-            batch, new, start = (1, a, b) if kind == "prefill" else (a, 1, b)
-            kv, act = _need_bytes(cfg, batch, new, start + new, elem, not model.gqa_native)
-            free = _free_bytes(device)
-            margin = GiB + free // 20
             if budget is not None and time.monotonic() - t0 > budget:
                 skipped.append({**pt, "reason": f"time budget of {budget:.0f} s spent"})
                 continue
-            if kv + act + margin > free:
-                skipped.append(
-                    {
-                        **pt,
-                        "reason": f"does not fit: KV cache {kv / GiB:.1f} GiB + activations "
-                        f"{act / GiB:.1f} GiB + margin {margin / GiB:.1f} GiB > free {free / GiB:.1f} GiB",
-                    }
-                )
+            why = does_not_fit(cfg, kind, a, b, elem, not model.gqa_native, _free_bytes(device))
+            if why is not None:
+                skipped.append({**pt, "reason": why})
                 continue
             try:
                 m = _measure(model, plan, kind, a, b, use_graph=cuda)
@@ -495,6 +500,8 @@ def run(out_dir: pathlib.Path, dry: bool, budget_s: float | None = None) -> dict
                 continue
             finally:
                 _sync(device)
+            batch, new, start = (1, a, b) if kind == "prefill" else (a, 1, b)
+            kv = cfg.kv_bytes(batch, start + new, elem)
             pred = predicted(prof, kind, a, b)
             bare = pred - prof.overhead_s
             ms = float(m["measured_s"])  # type: ignore[arg-type]

@@ -108,3 +108,36 @@ def test_steps_over_the_cache_match_one_whole_prefill(native: bool) -> None:
         assert torch.equal(model.forward(ids[:, 47:], 47, steps), want)
         assert torch.allclose(steps.k[-1], whole.k[-1], atol=1e-4)
         assert torch.allclose(steps.v[-1], whole.v[-1], atol=1e-4)
+
+
+def test_spent_budget_skips_every_point_and_says_so(tmp_path: pathlib.Path) -> None:
+    doc = gp.run(tmp_path, dry=True, budget_s=0.0)
+    assert doc["points"] == []
+    skipped = doc["skipped"]
+    assert isinstance(skipped, list) and len(skipped) == len(gp.DRY_PLAN.prefill) + len(gp.DRY_PLAN.decode)
+    assert all("time budget" in s["reason"] for s in skipped)
+    summary = doc["summary"]
+    assert isinstance(summary, dict) and summary["decode"]["points"] == 0
+    md = (tmp_path / "gpu_profile.md").read_text()
+    assert "- Decode: no points." in md and "time budget" in md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer")
+def test_without_a_gpu_the_full_run_reports_an_error_and_allocates_nothing(tmp_path: pathlib.Path) -> None:
+    doc = gp.run(tmp_path, dry=False)
+    assert "no CUDA device" in str(doc["error"]) and doc["points"] == []
+    assert "Error: no CUDA device" in (tmp_path / "gpu_profile.md").read_text()
+    assert gp.main(["--out", str(tmp_path)]) == 1
+
+
+@pytest.mark.parametrize("gpu_gib", [80, 141])
+def test_gpu_plan_fits_an_h100_and_an_h200_but_batch_128_at_8k(gpu_gib: int) -> None:
+    """``run``'s fit rule on the GPU plan, free memory taken as the card's less the bf16 weights:
+    every prefill fits; batch 128 at context 8k (128 GiB of KV) does not, on either card."""
+    cfg = gp.GPU_PLAN.config
+    free = int(gpu_gib * 1e9 * 0.97) - cfg.param_count() * 2
+    todo = [("prefill", n, c) for n, c in gp.GPU_PLAN.prefill]
+    todo += [("decode", b, c) for b, c in gp.GPU_PLAN.decode]
+    out = [(k, a, b) for k, a, b in todo if gp.does_not_fit(cfg, k, a, b, 2, False, free)]
+    assert out == [("decode", 128, 8192)]
+    assert "KV cache 128.0 GiB" in str(gp.does_not_fit(cfg, "decode", 128, 8192, 2, False, free))
