@@ -16,6 +16,12 @@ a Lua script) and reads the router process's CPU time (utime + stime, ``/proc/PI
 and after: CPU ms per request is the robust figure on a shared machine, req/s and latency are not.
 Runs are interleaved (repeat 1 of every router, then repeat 2, ...) so that the routers of one
 case see the same machine. Writes ``datapath.json`` and ``datapath.md`` under ``--out``.
+
+Where there is no ``wrk``, ``--loadgen python`` drives the same requests with ``bench.httpload``.
+``--pickers NAME=N`` runs the kvpick router NAME as N separate picker processes sharing their
+picks (Envoy's ext_proc cluster lists all N). ``bench.device`` runs the same machinery on a big
+machine with the cores split between the load generator, the upstreams, Envoy and the pickers
+(:class:`Layout`).
 """
 
 from __future__ import annotations
@@ -33,12 +39,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from kvlaunch import PY, ROOT, Procs, Stack, free_port, http, wait_port
 
+from . import httpload
 from .routers import PEERS, start_peer
 
 JSON = {"content-type": "application/json"}
@@ -164,28 +171,112 @@ def cpu_seconds(pid: int) -> float:
 @dataclass
 class Target:
     url: str
-    pid: int | None
-    """The router process whose CPU is charged (None for direct)."""
+    pids: tuple[int, ...]
+    """The router processes whose CPU is charged, each with its descendants (none for direct)."""
     envoy_pid: int | None = None
 
+    def cpu(self) -> float:
+        return sum(cpu_seconds(p) for p in self.pids)
 
-def _kvpick(name: str, variant: Variant, ports: list[int], procs: Procs) -> Target:
+
+@dataclass(frozen=True)
+class Layout:
+    """Which CPUs each part of a run may use (``os.sched_setaffinity``, inherited by a child from
+    the thread that starts it). Empty: unpinned."""
+
+    loadgen: tuple[int, ...] = ()
+    upstream: tuple[int, ...] = ()
+    envoy: tuple[int, ...] = ()
+    picker: tuple[int, ...] = ()
+    upstream_processes: int = 1
+    """Fixed-response upstream processes, one port each (1: one process serving two ports)."""
+    note: str = ""
+
+    @property
+    def routers(self) -> tuple[int, ...]:
+        """A peer router's CPUs: Envoy's and the picker's together."""
+        return tuple(sorted({*self.envoy, *self.picker}))
+
+    @property
+    def envoy_concurrency(self) -> int:
+        return len(self.envoy) or 2
+
+
+def split_cores(cpus: Collection[int]) -> Layout:
+    """The CPUs of a big machine split for a data-path run: about 3/16 for the load generator,
+    1/8 for the upstreams, 3/16 for Envoy and the rest (half) for the picker (16 cores: 3, 2, 3,
+    8); a peer router gets Envoy's and the picker's. Under 8 CPUs only the load generator is
+    pinned (to the last CPU) and everything else shares the machine."""
+    c = sorted(cpus)
+    n = len(c)
+    if n < 8:
+        note = f"{n} CPUs: load generator on CPU {c[-1]}, everything else unpinned (shared)"
+        return Layout(loadgen=(c[-1],), note=note)
+    lg, up, env = max(1, round(n * 3 / 16)), max(1, n // 8), max(1, round(n * 3 / 16))
+    parts = (c[:lg], c[lg : lg + up], c[lg + up : lg + up + env], c[lg + up + env :])
+    names = ("load generator", "upstreams", "Envoy", "picker(s)")
+    note = f"{n} CPUs: " + "; ".join(f"{k} {_span(v)}" for k, v in zip(names, parts, strict=True))
+    note += "; a peer router gets Envoy's and the picker's CPUs together"
+    lg_, up_, env_, pick_ = (tuple(x) for x in parts)
+    return Layout(lg_, up_, env_, pick_, upstream_processes=up, note=note)
+
+
+def _span(cpus: list[int]) -> str:
+    return f"CPU {cpus[0]}" if len(cpus) == 1 else f"CPUs {cpus[0]}-{cpus[-1]} ({len(cpus)})"
+
+
+@contextmanager
+def pinned(cpus: Collection[int]) -> Iterator[None]:
+    """This thread (and so every child it starts) on ``cpus`` (no change when empty)."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _kvpick(
+    name: str, variant: Variant, ports: list[int], procs: Procs, layout: Layout, pickers: int = 1
+) -> Target:
     """Our picker behind Envoy (the shared launcher), its processes logged under ``name/``; from
     another source tree where the variant names one (``PYTHONSAFEPATH`` keeps this checkout, the
-    working directory, off the path, so ``PYTHONPATH`` decides which ``picker`` is imported)."""
+    working directory, off the path, so ``PYTHONPATH`` decides which ``picker`` is imported).
+    ``pickers`` > 1: that many separate picker processes sharing their picks over the peer
+    channel, all in Envoy's ext_proc cluster."""
     render_args, picker_args, source = variant
     env = {"PYTHONSAFEPATH": "1", "PYTHONPATH": source} if source else None
     d = procs.run_dir / name
     d.mkdir(exist_ok=True)
-    st = Stack(Procs(d), ports)
+    peers = [f"tcp://127.0.0.1:{free_port()}" for _ in range(pickers)] if pickers > 1 else []
+    stacks = [
+        Stack(
+            Procs(d / f"picker-{i}" if pickers > 1 else d), ports, envoy_concurrency=layout.envoy_concurrency
+        )
+        for i in range(pickers)
+    ]
+    pids: list[int] = []
     try:
-        picker = st.start_picker("--log-level", "warning", *picker_args, debug=False, env=env)
-        envoy = st.start_envoy(*render_args)
+        for i, st in enumerate(stacks):
+            st.procs.run_dir.mkdir(exist_ok=True)
+            share = (
+                ["--peer-bind", peers[i], "--peers", ",".join(peers[:i] + peers[i + 1 :])] if peers else []
+            )
+            with pinned(layout.picker):
+                pids.append(
+                    st.start_picker("--log-level", "warning", *share, *picker_args, debug=False, env=env).pid
+                )
+        cluster = ["--picker", ",".join(f"127.0.0.1:{st.grpc_port}" for st in stacks)] if peers else []
+        with pinned(layout.envoy):
+            envoy = stacks[0].start_envoy(*render_args, *cluster)
     finally:
-        procs.procs += [
-            (f"{name}/{n}", p) for n, p in st.procs.procs
-        ]  # stopped, and logs read, with the rest
-    return Target(st.url, picker.pid, envoy.pid)
+        for i, st in enumerate(stacks):  # stopped, and logs read, with the rest
+            tag = f"{name}/picker-{i}/" if peers else f"{name}/"
+            procs.procs += [(f"{tag}{n}", p) for n, p in st.procs.procs]
+    return Target(stacks[0].url, tuple(pids), envoy.pid)
 
 
 def _wait_routable(t: Target, children: Procs, timeout: float = 60.0) -> None:
@@ -217,26 +308,39 @@ def check_answer(name: str, t: Target, case: Case) -> None:
 
 @contextmanager
 def stack(
-    routers: list[str], variants: dict[str, Variant], run_dir: pathlib.Path
+    routers: list[str],
+    variants: dict[str, Variant],
+    run_dir: pathlib.Path,
+    layout: Layout | None = None,
+    pickers: dict[str, int] | None = None,
 ) -> Iterator[dict[str, Target]]:
+    """Every router in ``routers`` in front of the same fixed upstreams, started, answering; all
+    stopped after. ``pickers``: kvpick routers run as that many separate picker processes."""
+    layout = layout or Layout()
     children = Procs(run_dir)
     try:
-        ports = [free_port(), free_port()]
+        n = layout.upstream_processes
+        ports = [free_port() for _ in range(max(2, n))]
         ups = [f"127.0.0.1:{p}" for p in ports]
-        children.start(
-            "upstream", [PY, "-m", "kvlaunch.upstream", "--fixed", "--ports", ",".join(map(str, ports))]
-        )
+        groups = [ports] if n == 1 else [[p] for p in ports]
+        with pinned(layout.upstream):
+            for i, group in enumerate(groups):
+                args = [PY, "-m", "kvlaunch.upstream", "--fixed", "--ports", ",".join(map(str, group))]
+                children.start("upstream" if n == 1 else f"upstream-{i}", args)
         for p in ports:
             wait_port(p, procs=children)
         targets: dict[str, Target] = {}
         for name in routers:
             if name == "direct":
-                targets[name] = Target(f"http://{ups[0]}", None)
+                targets[name] = Target(f"http://{ups[0]}", ())
             elif name in PEERS:
-                url, proc = start_peer(name, [f"http://{u}" for u in ups], children)
-                targets[name] = Target(url, proc.pid)
+                with pinned(layout.routers):
+                    url, proc = start_peer(name, [f"http://{u}" for u in ups], children)
+                targets[name] = Target(url, (proc.pid,))
             else:
-                targets[name] = _kvpick(name, variants.get(name, ([], [], "")), ports, children)
+                variant = variants.get(name, ([], [], ""))
+                count = (pickers or {}).get(name, 1)
+                targets[name] = _kvpick(name, variant, ports, children, layout, count)
         for t in targets.values():
             _wait_routable(t, children)
         yield targets
@@ -244,8 +348,31 @@ def stack(
         children.stop()
 
 
-def wrk(url: str, case: Case, body_file: pathlib.Path, lua: pathlib.Path, duration: float) -> dict[str, int]:
-    threads = min(2, case.connections)
+@dataclass(frozen=True)
+class Loadgen:
+    """What drives a run: ``wrk`` or ``python`` (:mod:`bench.httpload`), on ``cpus`` (all when empty)."""
+
+    kind: str = "wrk"
+    cpus: tuple[int, ...] = field(default=())
+
+    def drive(
+        self, url: str, case: Case, body_file: pathlib.Path, lua: pathlib.Path, duration: float
+    ) -> dict[str, int]:
+        if self.kind == "python":
+            assert not case.pace_ms, "bench.httpload does not pace requests: use wrk"
+            body = body_file.read_bytes()
+            procs = len(self.cpus) or 2
+            return httpload.run(
+                url + "/v1/chat/completions", body, case.connections, duration, self.cpus, procs
+            )
+        with pinned(self.cpus):
+            return wrk(url, case, body_file, lua, duration, threads=max(2, len(self.cpus)))
+
+
+def wrk(
+    url: str, case: Case, body_file: pathlib.Path, lua: pathlib.Path, duration: float, threads: int = 2
+) -> dict[str, int]:
+    threads = min(threads, case.connections)
     cmd = ["wrk", f"-t{threads}", f"-c{case.connections}", f"-d{round(duration)}s", "--timeout", "10s"]
     cmd += ["-s", str(lua), url + "/v1/chat/completions", "--", str(body_file)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -257,11 +384,11 @@ def wrk(url: str, case: Case, body_file: pathlib.Path, lua: pathlib.Path, durati
 
 def idle_rates(targets: dict[str, Target], seconds: float) -> dict[str, float]:
     """Each router's CPU seconds per second with no traffic, sampled together over ``seconds``."""
-    before = {k: cpu_seconds(t.pid) for k, t in targets.items() if t.pid}
+    before = {k: t.cpu() for k, t in targets.items() if t.pids}
     start = time.monotonic()
     time.sleep(seconds)
     elapsed = time.monotonic() - start
-    return {k: (cpu_seconds(targets[k].pid or 0) - v) / elapsed for k, v in before.items()}
+    return {k: (targets[k].cpu() - v) / elapsed for k, v in before.items()}
 
 
 def measure(
@@ -272,14 +399,15 @@ def measure(
     files: tuple[pathlib.Path, pathlib.Path],
     duration: float,
     idle: float,
+    loadgen: Loadgen | None = None,
 ) -> Run:
     body_file, lua = files
-    cpu0 = cpu_seconds(t.pid) if t.pid else 0.0
+    cpu0 = t.cpu()
     env0 = cpu_seconds(t.envoy_pid) if t.envoy_pid else 0.0
     start = time.monotonic()
-    r = wrk(t.url, case, body_file, lua, duration)
+    r = (loadgen or Loadgen()).drive(t.url, case, body_file, lua, duration)
     wall = time.monotonic() - start
-    cpu = (cpu_seconds(t.pid) - cpu0) if t.pid else 0.0
+    cpu = t.cpu() - cpu0
     env = (cpu_seconds(t.envoy_pid) - env0) if t.envoy_pid else 0.0
     n = max(1, r["requests"])
     return Run(
@@ -343,6 +471,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "a directory holding another revision's picker/ (`git archive REV | tar -x -C DIR`), runs "
         "that picker instead of this checkout's, side by side",
     )
+    p.add_argument(
+        "--pickers",
+        action="append",
+        default=[],
+        metavar="NAME=N",
+        help="run the kvpick router NAME as N separate picker processes sharing their picks",
+    )
+    p.add_argument(
+        "--loadgen",
+        choices=("wrk", "python"),
+        default="wrk",
+        help="wrk (the Debian package), or bench.httpload where there is none",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--idle", type=float, default=5.0, help="seconds of no traffic to measure idle CPU")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per wrk run")
@@ -370,16 +511,18 @@ def _variant(flags: str) -> Variant:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    if shutil.which("wrk") is None:
+    if a.loadgen == "wrk" and shutil.which("wrk") is None:
         print(WRK_MISSING, file=sys.stderr)
         return 2
     cases = [CASES[c] for c in a.cases.split(",")]
     routers = a.routers.split(",")
     variants = {k: _variant(v) for k, _, v in (x.partition("=") for x in a.variant)}
+    pickers = {k: int(v) for k, _, v in (x.partition("=") for x in a.pickers)}
+    loadgen = Loadgen(a.loadgen)
     run_dir = pathlib.Path(a.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []
-    with tempfile.TemporaryDirectory() as tmp, stack(routers, variants, run_dir) as targets:
+    with tempfile.TemporaryDirectory() as tmp, stack(routers, variants, run_dir, pickers=pickers) as targets:
         time.sleep(3.0)  # let start-up work (worker spawns, first scrapes) finish
         idle = idle_rates(targets, a.idle)
         for case in cases:
@@ -389,10 +532,12 @@ def main(argv: list[str] | None = None) -> int:
             lua.write_text(case.lua())
             for name, t in targets.items():
                 check_answer(name, t, case)
-                wrk(t.url, case, body_file, lua, a.warmup)
+                loadgen.drive(t.url, case, body_file, lua, a.warmup)
             for rep in range(a.repeats):
                 for name, t in targets.items():
-                    run = measure(case, name, t, rep, (body_file, lua), a.duration, idle.get(name, 0.0))
+                    run = measure(
+                        case, name, t, rep, (body_file, lua), a.duration, idle.get(name, 0.0), loadgen
+                    )
                     runs.append(run)
                     print(
                         f"{case.name:14} {name:14} #{rep}: {run.rps:8.0f} req/s  p50 {run.p50_ms:7.2f} ms  "

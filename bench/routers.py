@@ -16,12 +16,14 @@ import pathlib
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import orjson
 
 from kvlaunch import PY, Procs, Stack, free_port, http, wait_port
 
-from .fleet import Fleet
+if TYPE_CHECKING:  # not at run time: bench.device's peers-only kit has no picker dependencies
+    from .fleet import Fleet
 
 PICKER_POLICIES = ("cost", "weighted", "round-robin", "least-loaded")
 PEERS = ("vllm-router", "sglang-router")

@@ -42,6 +42,8 @@ class Stack:
     listen_host: str = "127.0.0.1"
     """The address Envoy's listener binds (``render.py --listen-address``): this machine only,
     unless a caller asks for more (``0.0.0.0``)."""
+    envoy_concurrency: int = 2
+    """Envoy's worker threads (``--concurrency``)."""
     root: pathlib.Path = ROOT
     """The source tree whose ``deploy/envoy/render.py`` renders Envoy's config (another tree's,
     to run its picker with its own Envoy config beside this one's)."""
@@ -114,7 +116,8 @@ class Stack:
         assert self.envoy_port, "a given Envoy config needs envoy_port set to the port it listens on"
         path = self.procs.run_dir / "envoy.yaml"
         path.write_text(text)
-        cmd = [ENVOY, "-c", str(path), "-l", "warning", "--concurrency", "2", "--disable-hot-restart"]
+        cmd = [ENVOY, "-c", str(path), "-l", "warning", "--concurrency", str(self.envoy_concurrency)]
+        cmd += ["--disable-hot-restart"]
         cmd += ["--file-flush-interval-msec", "250"]  # an access log (render.py) is read right after
         proc = self.procs.start("envoy", cmd)
         wait_port(self.envoy_port, procs=self.procs, proc=proc)
