@@ -11,7 +11,7 @@ POLICY ?= cost
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 
-.PHONY: install install-picker test lint typecheck pytest docs run bench bench-real bench-hardware proto images base-image docker-e2e kind-test clean
+.PHONY: install install-picker test lint typecheck pytest docs run bench bench-real bench-hardware device-pack device-check proto images base-image docker-e2e kind-test clean
 
 install: $(STAMP)
 
@@ -75,6 +75,16 @@ bench-real: $(STAMP)
 # Cluster mode across GPU profiles (Mooncake trace, 8 replicas each).
 bench-hardware: $(STAMP_CORE)
 	$(PY) -m bench.hardware --out bench/results/hardware.md
+
+# The offline GPU node (docs/benchmarks.md#on-the-offline-gpu-node): cp312 wheelhouses in .device/wheels/{picker,peers}
+# (one kit per run, each under the 64 MiB a run carries), then the one check that runs there.
+device-pack: $(STAMP_CORE)
+	$(PY) -m bench.device_pack
+
+DEVICE_PYTHON ?= python3
+DEVICE_ARGS ?=
+device-check:  ## on the node: no venv of ours, the kit in .device/wheels installs into .device/venv
+	$(DEVICE_PYTHON) -m bench.device $(DEVICE_ARGS)
 
 # Images need a Docker engine (with BuildKit); each target prints SKIPPED without one. Not part of
 # `make test`. See docs/install.md#images-and-the-docker-end-to-end-test.
