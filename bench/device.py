@@ -29,7 +29,9 @@ per run on the node: the whole exceeds the 64 MiB a run carries), else what is i
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
+import inspect
 import json
 import os
 import pathlib
@@ -56,6 +58,8 @@ KITS = ("picker", "peers")
 CASES = ("8k-c64", "220k-c150")
 PEERS = ("vllm-router", "sglang-router")
 """``bench.routers.PEERS``, named here before anything but the standard library can be imported."""
+B_MARGIN_S = 40.0
+"""Part b's own budget is this much under the parent's hard stop (one point, the files)."""
 T0 = float(os.environ.get(T0_ENV, time.time()))
 
 
@@ -122,7 +126,8 @@ def part_b(out: pathlib.Path, dry: bool, budget: float) -> dict[str, Any]:
     d = out / "gpu_profile"
     d.mkdir(parents=True, exist_ok=True)
     result = d / "_result.json"
-    cmd = [PY, "-m", "bench.device", "--gpu-profile-child", str(d), *(["--dry-run"] if dry else [])]
+    cmd = [PY, "-m", "bench.device", "--gpu-profile-child", str(d), "--budget-b", str(budget)]
+    cmd += ["--dry-run"] if dry else []
     say(f"part b: bench.gpu_profile.run({d.relative_to(out.parent)}, dry={dry}), budget {budget:.0f} s")
     t = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
@@ -140,8 +145,10 @@ def part_b(out: pathlib.Path, dry: bool, budget: float) -> dict[str, Any]:
     return {**doc, "seconds": seconds}
 
 
-def gpu_profile_child(out_dir: pathlib.Path, dry: bool) -> int:
-    """Part b's child: run the profile, write ``{status, result | note}`` to ``_result.json``."""
+def gpu_profile_child(out_dir: pathlib.Path, dry: bool, budget: float) -> int:
+    """Part b's child: run the profile, write ``{status, result | note}`` to ``_result.json``.
+    Where ``run`` takes a ``budget_s`` it gets the budget less :data:`B_MARGIN_S` (a quarter at most), to finish its
+    last point and write its files before the parent's hard stop."""
     try:
         gpu_profile = importlib.import_module("bench.gpu_profile")
     except ModuleNotFoundError as exc:
@@ -149,7 +156,10 @@ def gpu_profile_child(out_dir: pathlib.Path, dry: bool) -> int:
             raise
         doc: dict[str, Any] = {"status": "skipped", "note": "bench.gpu_profile is not in this checkout"}
     else:
-        doc = {"status": "ok", "result": gpu_profile.run(out_dir, dry)}
+        extra = {}
+        if "budget_s" in inspect.signature(gpu_profile.run).parameters:
+            extra["budget_s"] = max(1.0, budget - min(B_MARGIN_S, budget / 4))
+        doc = {"status": "ok", "result": gpu_profile.run(out_dir, dry, **extra)}
     (out_dir / "_result.json").write_text(json.dumps(doc, indent=1, default=str))
     return 0
 
@@ -350,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
     if a.gpu_profile_child:
-        return gpu_profile_child(pathlib.Path(a.gpu_profile_child), a.dry_run)
+        return gpu_profile_child(pathlib.Path(a.gpu_profile_child), a.dry_run, a.budget_b)
     kits = choose_kits(a.kit)
     if not kits:
         say("no kit packed (make device-pack) and none installed")
