@@ -51,6 +51,8 @@ def _reserved(name: str) -> bool:
     return n.startswith(("x-envoy-", "x-gateway-destination-endpoint")) or n in (
         "x-gateway-model-name-rewrite",
         "x-gateway-inference-objective",
+        "x-llm-d-model-name-rewrite",
+        "x-llm-d-inference-objective",
     )
 
 

@@ -342,7 +342,7 @@ def _tls_flags(p: argparse.ArgumentParser, so: ServerOptions, cfg: config_mod.Ro
         type=_bool,
         default=None,
         metavar="BOOL",
-        help="honour x-gateway-model-name-rewrite (only where the gateway strips a client's copy "
+        help="honour x-llm-d-model-name-rewrite / x-gateway-model-name-rewrite (only where the gateway strips a client's copy "
         f"and sets its own) {_from_config(cfg.trust_gateway_headers)}",
     )
 

@@ -20,7 +20,8 @@ Upstreams:
 
 Security (every config): before the route is chosen and ext_proc runs, an early header mutation
 removes every client-sent ``x-gateway-destination-endpoint*`` (the header, ``-subset`` and
-``-served``), ``x-gateway-model-name-rewrite`` and ``x-envoy-*`` header, so only the picker steers
+``-served``), ``x-llm-d-model-name-rewrite`` / ``x-gateway-model-name-rewrite`` and ``x-envoy-*``
+header, so only the picker steers
 routing and no client sets Envoy's retry or timeout knobs; ``use_remote_address: true`` makes Envoy append the real
 peer to ``x-forwarded-for`` instead of trusting the client's.
 
@@ -116,7 +117,8 @@ from typing import Any
 import yaml
 
 DEST = "x-gateway-destination-endpoint"
-REWRITE = "x-gateway-model-name-rewrite"
+REWRITE = ("x-llm-d-model-name-rewrite", "x-gateway-model-name-rewrite")
+"""The model rewrite header: llm-d-router's current name and its deprecated (GIE) alias."""
 MAX_BODY = 8 * 1024 * 1024
 """The picker's default --max-body-bytes."""
 _T = "type.googleapis.com/envoy.extensions."
@@ -161,16 +163,18 @@ def _strip_headers(objective_header: str = "pass") -> list[dict[str, Any]]:
     upstream. An early header mutation runs in the connection manager before the route is chosen:
     a filter would run after it, and a forged destination header would already have picked the
     ORIGINAL_DST route (with fail-open and the picker down, that request then had no host).
-    ``objective_header`` "strip" drops the client's ``x-gateway-inference-objective`` too (GIE
+    Both spellings of each header go: llm-d's current ``x-llm-d-*`` name and its deprecated
+    ``x-gateway-*`` alias (the picker reads either). ``objective_header`` "strip" drops the
+    client's ``x-llm-d-inference-objective`` / ``x-gateway-inference-objective`` too (GIE
     lets clients choose it, and so their priority); "pass" keeps it (GIE's behaviour). A route's
     header modifier would not do: Envoy applies it in the router filter, after ext_proc."""
     assert objective_header in OBJECTIVE_HEADER_MODES, f"objective_header {objective_header!r}"
     mutations: list[dict[str, Any]] = [
         {"remove_on_match": {"key_matcher": {"prefix": p, "ignore_case": True}}} for p in (DEST, "x-envoy-")
     ]
-    mutations.append({"remove": REWRITE})
+    mutations += [{"remove": name} for name in REWRITE]
     if objective_header == "strip":
-        mutations.append({"remove": OBJECTIVE})
+        mutations += [{"remove": name} for name in OBJECTIVE]
     return [
         {
             "name": "envoy.http.early_header_mutation.header_mutation",
@@ -182,7 +186,7 @@ def _strip_headers(objective_header: str = "pass") -> list[dict[str, Any]]:
     ]
 
 
-OBJECTIVE = "x-gateway-inference-objective"
+OBJECTIVE = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
 OBJECTIVE_HEADER_MODES = ("pass", "strip")
 SERVED_STAMP = "x-kvpick-served"
 SERVED_LUA = f"""
@@ -779,7 +783,8 @@ def parser() -> argparse.ArgumentParser:
         "--objective-header",
         choices=OBJECTIVE_HEADER_MODES,
         default="pass",
-        help="strip: drop the client's x-gateway-inference-objective before ext_proc (clients cannot "
+        help="strip: drop the client's x-llm-d-inference-objective (and its alias "
+        "x-gateway-inference-objective) before ext_proc (clients cannot "
         "claim a priority); pass: keep it (GIE's design: the client chooses its objective)",
     )
     p.add_argument(

@@ -189,7 +189,7 @@ class RouterConfig:
     profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: dict(BUILTIN_POLICIES))
     """Policy name → ``{filters, scorers, picker}``, laid over the built-in policies."""
     objectives: Mapping[str, int] = field(default_factory=dict)
-    """Objective name (``x-gateway-inference-objective``) → priority, as InferenceObjective's
+    """Objective name (``x-llm-d-inference-objective`` or ``x-gateway-inference-objective``) → priority, as InferenceObjective's
     ``priority``: negative is sheddable (429 when the pool is saturated), 0 or more is not."""
     default_priority: int = 0
     """Priority of a request naming no objective, or one not in ``objectives``."""
@@ -200,7 +200,7 @@ class RouterConfig:
     """Bodies of at least this many bytes are parsed in a worker process, off the event loop
     (0: always inline)."""
     trust_gateway_headers: bool = False
-    """Honour ``x-gateway-model-name-rewrite``. Only a gateway may set it: turn this on only where
+    """Honour ``x-llm-d-model-name-rewrite`` (or ``x-gateway-model-name-rewrite``). Only a gateway may set it: turn this on only where
     the gateway strips a client-sent copy and sets its own (else any client picks the model)."""
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 

@@ -1,4 +1,4 @@
-"""Objective priorities: the ``x-gateway-inference-objective`` header names an objective, whose
+"""Objective priorities: the ``x-llm-d-inference-objective`` header (or its alias ``x-gateway-inference-objective``) names an objective, whose
 priority decides whether the request may be shed (negative: 429 when the pool is saturated).
 
 Two sources, one answer per name:

@@ -28,8 +28,30 @@ import xxhash
 from picker.core.errors import BadRequest
 
 MAX_NESTING = 64
-REWRITE_HEADER = "x-gateway-model-name-rewrite"
-"""Set by a gateway, never trusted from a client: read only with ``trust_gateway_headers``."""
+REWRITE_HEADERS = ("x-llm-d-model-name-rewrite", "x-gateway-model-name-rewrite")
+"""Set by a gateway, never trusted from a client: read only with ``trust_gateway_headers``.
+llm-d-router's current name first, then its deprecated alias (``pkg/epp/metadata/consts.go``):
+the first one present wins, as there."""
+OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
+FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
+SLO_TTFT_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
+SLO_TPOT_HEADERS = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
+"""llm-d's SLO headers (both spellings); kvpick reads neither (no SLO-aware scorer), and the
+gateway passes them through."""
+ALIASED_HEADERS = (REWRITE_HEADERS, OBJECTIVE_HEADERS, FAIRNESS_HEADERS, SLO_TTFT_HEADERS, SLO_TPOT_HEADERS)
+"""Every llm-d header with a deprecated alias: (current name, alias)."""
+
+
+def header_of(headers: Mapping[str, str], names: Sequence[str]) -> str:
+    """The value of the first of ``names`` present with a value (llm-d's current name before its
+    deprecated alias), or "" when none is."""
+    for name in names:
+        value = headers.get(name)
+        if value:
+            return value
+    return ""
+
+
 SEP = "\x1e"  # record separator between messages: never produced by a normal prompt
 MEDIA_MARK = "\x1d"  # group separator: starts a media part's digest marker in the routing text
 MEDIA_KINDS = {
@@ -52,7 +74,8 @@ class ParseOptions:
 
     lora_adapters: frozenset[str] = frozenset()
     trust_rewrite: bool = False
-    """Honour ``x-gateway-model-name-rewrite`` (config ``trust_gateway_headers``)."""
+    """Honour ``x-llm-d-model-name-rewrite`` / ``x-gateway-model-name-rewrite`` (config
+    ``trust_gateway_headers``)."""
     max_text_chars: int = 1 << 60
     """Routing text kept; the hasher reads at most ``max_blocks × block_size`` bytes of it, and
     a character is at least one byte."""
@@ -101,7 +124,8 @@ def parse(
     opts: ParseOptions | None = None,
 ) -> tuple[InferenceRequest, dict[str, Any]]:
     """Parse ``body`` once. Returns the request and the decoded JSON object (for rewrites).
-    ``x-gateway-model-name-rewrite`` names the model only when ``trust_rewrite`` is set.
+    ``x-llm-d-model-name-rewrite`` (or its alias ``x-gateway-model-name-rewrite``) names the
+    model only when ``trust_rewrite`` is set.
     ``opts``, when given, replaces ``lora_adapters`` and ``trust_rewrite``.
 
     Raises :class:`BadRequest` for invalid UTF-8, invalid JSON, nesting deeper than
@@ -115,7 +139,7 @@ def parse(
     if not isinstance(doc, dict):
         raise BadRequest("request body must be a JSON object")
     _check_depth(doc)
-    model = (headers.get(REWRITE_HEADER) if opts.trust_rewrite else None) or doc.get("model")
+    model = (header_of(headers, REWRITE_HEADERS) if opts.trust_rewrite else None) or doc.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("request body has no 'model'")
     salt = doc.get("cache_salt", "")
@@ -130,8 +154,8 @@ def parse(
         cache_salt=salt if isinstance(salt, str) else "",
         lora=model if model in opts.lora_adapters else "",
         session_id=headers.get("x-session-id", ""),
-        objective=headers.get("x-gateway-inference-objective", ""),
-        fairness_id=headers.get("x-gateway-inference-fairness-id", ""),
+        objective=header_of(headers, OBJECTIVE_HEADERS),
+        fairness_id=header_of(headers, FAIRNESS_HEADERS),
         max_tokens=max_tokens if isinstance(max_tokens, int) else 0,
         prompt_token_ids=token_ids,
         prompt_chars=text.total,
@@ -147,11 +171,11 @@ Parsed = tuple[InferenceRequest, bytes | None, dict[str, Any] | None]
 
 def parse_and_rewrite(body: bytes, path: str, headers: Mapping[str, str], opts: ParseOptions) -> Parsed:
     """:func:`parse`, the body with its ``model`` rewritten when a trusted
-    ``x-gateway-model-name-rewrite`` changes it (None when unchanged), and the decoded body when
+    rewrite header (either spelling) changes it (None when unchanged), and the decoded body when
     ``opts.keep_doc``. Module-level and picklable both ways, so it can run in a worker process."""
     req, doc = parse(body, path, headers, opts=opts)
     kept = doc if opts.keep_doc else None
-    rewrite = headers.get(REWRITE_HEADER) if opts.trust_rewrite else None
+    rewrite = header_of(headers, REWRITE_HEADERS) if opts.trust_rewrite else None
     if rewrite and doc.get("model") != rewrite:
         doc["model"] = rewrite
         return req, orjson.dumps(doc), kept

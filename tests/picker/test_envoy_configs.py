@@ -57,7 +57,10 @@ def test_every_shipped_config_is_hardened(name: str) -> None:
     removed = strip["typed_config"]["mutations"]
     prefixes = {m["remove_on_match"]["key_matcher"]["prefix"] for m in removed if "remove_on_match" in m}
     assert prefixes == {"x-gateway-destination-endpoint", "x-envoy-"}
-    assert {m["remove"] for m in removed if "remove" in m} == {"x-gateway-model-name-rewrite"}
+    assert {m["remove"] for m in removed if "remove" in m} == {
+        "x-gateway-model-name-rewrite",
+        "x-llm-d-model-name-rewrite",
+    }
     proc = ext_proc["typed_config"]
     mode = proc["processing_mode"]
     assert mode["response_body_mode"] != "BUFFERED", "SSE would be held to the end"
@@ -227,9 +230,9 @@ def test_every_config_reports_the_served_endpoint(name: str, tmp_path: pathlib.P
 
 @pytest.mark.parametrize("mode", ["pass", "strip"])
 def test_objective_header_pass_or_strip(mode: str, tmp_path: pathlib.Path) -> None:
-    """``--objective-header strip`` drops the client's x-gateway-inference-objective before
-    ext_proc (so before the picker reads it, and before the replica); ``pass`` (the default, GIE's
-    design) lets it through."""
+    """``--objective-header strip`` drops the client's x-llm-d-inference-objective and its alias
+    x-gateway-inference-objective before ext_proc (so before the picker reads it, and before the
+    replica); ``pass`` (the default, GIE's design) lets both through."""
     st = Stack(Procs(tmp_path), [free_port(), free_port()])
     try:
         st.start_upstreams()
@@ -239,10 +242,11 @@ def test_objective_header_pass_or_strip(mode: str, tmp_path: pathlib.Path) -> No
         while post_json(st.url + "/v1/completions", {"model": "m", "prompt": "w"})[0] != 200:
             assert time.monotonic() < deadline, st.procs.log("envoy")
             time.sleep(0.2)
-        hdr = {"x-gateway-inference-objective": "critical"}
-        status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "p"}, headers=hdr)
-        assert status == 200, body
-        seen = body["gateway_headers"].get("x-gateway-inference-objective")
-        assert seen == (None if mode == "strip" else "critical"), body
+        for name in ("x-llm-d-inference-objective", "x-gateway-inference-objective"):
+            hdr = {name: "critical"}
+            status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "p"}, headers=hdr)
+            assert status == 200, body
+            seen = body["gateway_headers"].get(name)
+            assert seen == (None if mode == "strip" else "critical"), (name, body)
     finally:
         st.procs.stop()

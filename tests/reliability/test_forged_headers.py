@@ -1,6 +1,7 @@
 """Forged routing headers never steer routing, in every shipped Envoy config (the committed
 deploy/envoy/*.yaml and the kind gateway's): a client's destination, subset, served, rewrite and
-x-envoy-* headers neither move a request off the endpoint the picker chose, nor change its model,
+x-envoy-* headers neither move a request off the endpoint the picker chose, nor change its model (either
+spelling of the rewrite header: llm-d's x-llm-d-model-name-rewrite and its x-gateway-* alias),
 nor reach the replica. With fail-open and the picker killed, they still choose nothing."""
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def forged(other: str) -> list[dict[str, str]]:
         {"x-gateway-destination-endpoint-subset": other},
         {"x-gateway-destination-endpoint-served": other},
         {"x-gateway-model-name-rewrite": "evil"},
+        {"x-llm-d-model-name-rewrite": "evil"},
+        {"X-LLM-D-Model-Name-Rewrite": "evil", "x-gateway-model-name-rewrite": "evil2"},
         {"x-envoy-original-dst-host": other},
         {"x-envoy-upstream-alt-stat-name": "evil", "x-envoy-max-retries": "50", "x-envoy-retry-on": "5xx"},
         {"X-Gateway-Destination-Endpoint": other, "X-Envoy-Original-Dst-Host": other},
@@ -34,6 +37,7 @@ def forged(other: str) -> list[dict[str, str]]:
             "x-gateway-destination-endpoint": other,
             "x-gateway-destination-endpoint-subset": other,
             "x-gateway-model-name-rewrite": "evil",
+            "x-llm-d-model-name-rewrite": "evil",
             "x-envoy-original-dst-host": other,
         },
     ]

@@ -8,7 +8,7 @@ import pytest
 
 from picker.core.errors import BadRequest
 from picker.core.prefix.hashing import HashConfig, block_hashes, seed_for
-from picker.core.request import MAX_NESTING, SEP, InferenceRequest, parse
+from picker.core.request import MAX_NESTING, SEP, InferenceRequest, ParseOptions, parse, parse_and_rewrite
 
 
 def _parse(doc: object, path: str = "/v1/completions", **kw: object) -> InferenceRequest:
@@ -103,6 +103,32 @@ def test_headers_model_rewrite_and_ids() -> None:
     assert (req.objective, req.fairness_id) == ("obj", "tenant")
     trusted, _ = parse(b'{"model": "m", "prompt": "p"}', "/v1/completions", headers, trust_rewrite=True)
     assert trusted.model == "other"
+
+
+@pytest.mark.parametrize("new_too", [False, True])
+def test_llm_d_header_names_and_their_aliases(new_too: bool) -> None:
+    """llm-d-router's current names (x-llm-d-*) are read as their x-gateway-* aliases are; when a
+    request carries both spellings, the current name wins (pkg/epp/metadata/consts.go)."""
+    new = {
+        "x-llm-d-model-name-rewrite": "new-model",
+        "x-llm-d-inference-objective": "new-obj",
+        "x-llm-d-inference-fairness-id": "new-tenant",
+    }
+    old = {
+        "x-gateway-model-name-rewrite": "old-model",
+        "x-gateway-inference-objective": "old-obj",
+        "x-gateway-inference-fairness-id": "old-tenant",
+    }
+    headers = {**old, **new} if new_too else new
+    body = b'{"model": "m", "prompt": "p"}'
+    req, _ = parse(body, "/v1/completions", headers, trust_rewrite=True)
+    assert (req.model, req.objective, req.fairness_id) == ("new-model", "new-obj", "new-tenant")
+    _, rewritten, _ = parse_and_rewrite(body, "/v1/completions", headers, ParseOptions(trust_rewrite=True))
+    assert rewritten is not None and orjson.loads(rewritten)["model"] == "new-model"
+    untrusted, _ = parse(body, "/v1/completions", headers)
+    assert untrusted.model == "m", "the rewrite is read only from a trusted gateway"
+    alone, _ = parse(body, "/v1/completions", old, trust_rewrite=True)
+    assert (alone.model, alone.objective, alone.fairness_id) == ("old-model", "old-obj", "old-tenant")
 
 
 def test_request_id_generated_when_absent() -> None:
