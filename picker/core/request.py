@@ -34,12 +34,9 @@ llm-d-router's current name first, then its deprecated alias (``pkg/epp/metadata
 the first one present wins, as there."""
 OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
 FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
-SLO_TTFT_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
-SLO_TPOT_HEADERS = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
-"""llm-d's SLO headers (both spellings); kvpick reads neither (no SLO-aware scorer), and the
-gateway passes them through."""
-ALIASED_HEADERS = (REWRITE_HEADERS, OBJECTIVE_HEADERS, FAIRNESS_HEADERS, SLO_TTFT_HEADERS, SLO_TPOT_HEADERS)
-"""Every llm-d header with a deprecated alias: (current name, alias)."""
+# llm-d's SLO headers (x-llm-d-slo-ttft-ms / x-slo-ttft-ms, x-llm-d-slo-tpot-ms / x-slo-tpot-ms)
+# are read by neither spelling: kvpick has no SLO-aware scorer, so they steer nothing here and
+# the gateway passes them through.
 
 
 def header_of(headers: Mapping[str, str], names: Sequence[str]) -> str:
