@@ -104,12 +104,16 @@ def parse_metrics(text: str, now: float = 0.0) -> EndpointMetrics:
     (``kvlaunch.run``) and the benchmarks' fleets all read replicas through it."""
     m = EndpointMetrics(updated_at=now)
     kv: list[float] = []
+    models: set[str] = set()
     lora_ts = -1.0
     for fam in text_string_to_metric_families(prefilter(text)):
         for s in fam.samples:
             name = s.name
             if name == "vllm:num_requests_running":
                 m.running += s.value
+                served = s.labels.get("model_name", "")
+                if served and len(served) <= MAX_NAME and len(models) < MAX_LORAS:
+                    models.add(served)
             elif name == "vllm:num_requests_waiting":
                 m.waiting += s.value
             elif name == "vllm:kv_cache_usage_perc":
@@ -130,6 +134,8 @@ def parse_metrics(text: str, now: float = 0.0) -> EndpointMetrics:
                 m.progress_total = max(m.progress_total, 0.0) + s.value
     if kv:
         m.kv_usage = sum(kv) / len(kv)
+    if models:
+        m.served_models = frozenset(models)
     return m
 
 
@@ -142,6 +148,9 @@ PROGRESS = frozenset(
 WIRE_FIELDS = tuple(f.name for f in fields(EndpointMetrics) if f.name != "updated_at")
 """The :class:`EndpointMetrics` fields a shared scrape carries, in this order (``updated_at`` is
 the receiver's: its clock, less the scrape's age)."""
+OPTIONAL_WIRE_FIELDS = 1
+"""The last fields of :data:`WIRE_FIELDS` an older peer does not send (``served_models``): a list
+without them is read with their defaults."""
 MAX_LORAS = 256
 MAX_NAME = 256
 
@@ -153,8 +162,9 @@ def metrics_to_wire(m: EndpointMetrics) -> list[Any]:
 
 def metrics_from_wire(raw: Any) -> EndpointMetrics:
     """The inverse of :func:`metrics_to_wire`, checked: raises ``ValueError`` for anything else. A
-    longer list (a newer peer's extra fields) is read up to :data:`WIRE_FIELDS`."""
-    if not (isinstance(raw, list) and len(raw) >= len(WIRE_FIELDS)):
+    longer list (a newer peer's extra fields) is read up to :data:`WIRE_FIELDS`; a shorter one by
+    at most :data:`OPTIONAL_WIRE_FIELDS` (an older peer's) keeps those fields' defaults."""
+    if not (isinstance(raw, list) and len(raw) >= len(WIRE_FIELDS) - OPTIONAL_WIRE_FIELDS):
         raise ValueError("shared metrics are not a list of the expected fields")
     m = EndpointMetrics()
     for name, v in zip(WIRE_FIELDS, raw, strict=False):

@@ -107,7 +107,9 @@ class PickerServer:
         self.pool = Pool()
         self.inbox = Inbox(opts.message_interval_s)
         self.scraper = Scraper(self.pool, cfg.scrape, self._on_scrape, self._on_scrape_error)
-        self.telemetry = Telemetry(pool_name=opts.pool_name, inbox=self.inbox, scraper=self.scraper)
+        self.telemetry = Telemetry(
+            pool_name=opts.pool_name, inbox=self.inbox, scraper=self.scraper, known_model=self.known_model
+        )
         self.router = Router(
             cfg, self.pool, plugin_timer=self.telemetry.plugin_timer, catch_up=self.inbox.catch_up
         )
@@ -128,6 +130,17 @@ class PickerServer:
         self._force = asyncio.Event()
         self.draining = False
         """Set once shutdown begins; written only by :meth:`run`."""
+
+    def known_model(self, name: str) -> bool:
+        """Whether model ``name`` may be a ``/metrics`` label value: a configured LoRA adapter, or
+        a name a replica reports serving (its ``model_name`` label, or a LoRA it runs)."""
+        if name in self.cfg.lora_adapters:
+            return True
+        for s in self.pool:
+            m = s.metrics
+            if name in m.served_models or name in m.running_loras or name in m.waiting_loras:
+                return True
+        return False
 
     def _on_scrape(self, state: EndpointState) -> None:
         self.router.on_scrape(state)

@@ -7,6 +7,7 @@ from state at scrape time, scrape errors) are prometheus_client's own metric cla
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -21,6 +22,25 @@ _LAT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
 MAX_MODEL_LABELS = 256
 """Distinct ``model_name`` label values kept on ``inference_objective_request_total``; later ones
 count as "other" (client-chosen names must not grow the registry without bound)."""
+MAX_LABEL_CHARS = 128
+"""A model name longer than this is cut to it in a label value."""
+OTHER = "other"
+"""The label value of every model name that is neither configured nor served by a replica."""
+
+
+def model_label(name: str, known: Callable[[str], bool]) -> str:
+    """``name`` as a label value: :data:`OTHER` unless ``known(name)`` (configured, or served by a
+    replica), else cut to :data:`MAX_LABEL_CHARS` with every unprintable character (NUL, control
+    characters, line breaks) replaced by ``?``. A client's name never becomes a label by itself:
+    a 1 MiB or NUL-laden ``model`` costs the exposition one "other"."""
+    if not name or not known(name):
+        return OTHER
+    name = name[:MAX_LABEL_CHARS]
+    return name if name.isprintable() else "".join(c if c.isprintable() else "?" for c in name)
+
+
+def _nothing_known(name: str) -> bool:
+    return False
 
 
 class InboxCounts(Protocol):
@@ -47,9 +67,13 @@ class Telemetry:
         pool_name: str = "kvpick",
         inbox: InboxCounts | None = None,
         scraper: ScrapeCounts | None = None,
+        known_model: Callable[[str], bool] = _nothing_known,
     ) -> None:
         r = self.registry = registry or CollectorRegistry()
         self.pool_name = pool_name
+        self.known_model = known_model
+        """Whether a model name may be a label value (configured, or served by a replica); the
+        others count as :data:`OTHER` (:func:`model_label`)."""
         self.extension_points: dict[str, str] = {}
         """Plugin name → GIE extension point (Filter, Scorer, Picker), for the plugin histogram;
         filled before the first request (a plugin's child is bound on its first timing)."""
@@ -57,7 +81,8 @@ class Telemetry:
         """Plugin name → its bound histogram child: a ``labels()`` lookup costs more than the
         observation, and each pick times about six plugins. Bounded by the configured plugins."""
         self._objective_children: dict[tuple[str, str], Count] = {}
-        """(model, target model) → bound counter child; at most ``MAX_MODEL_LABELS`` + 1."""
+        """(model, target model) → bound counter child, for known names only (their own label
+        values): at most ``MAX_MODEL_LABELS``. Other names are mapped on each request."""
         tally = self.tally = Tally()
         """The per-request metrics (:mod:`picker.serving.tally`): counted in plain numbers on the
         event loop, turned into metric families when ``/metrics`` is read."""
@@ -180,14 +205,19 @@ class Telemetry:
         child.observe(seconds)
 
     def count_request(self, model: str, target_model: str) -> None:
-        """One picked request (``inference_objective_request_total``), label values bounded."""
-        child = self._objective_children.get((model, target_model))
+        """One picked request (``inference_objective_request_total``). Label values are bounded
+        in number (``MAX_MODEL_LABELS``), in kind (configured or served names, else "other") and
+        in length and content (:func:`model_label`)."""
+        key = (model, target_model)
+        child = self._objective_children.get(key)
         if child is None:
+            labels = (model_label(model, self.known_model), model_label(target_model, self.known_model))
             series = self.objective_requests.series
-            if (model, target_model) not in series and len(series) >= MAX_MODEL_LABELS:
-                model = target_model = "other"
-            child = self.objective_requests.labels(model, target_model)
-            self._objective_children[(model, target_model)] = child
+            if labels not in series and len(series) >= MAX_MODEL_LABELS:
+                labels = (OTHER, OTHER)
+            child = self.objective_requests.labels(*labels)
+            if labels == key:  # a known name, its own label: cache it (bounded by the series)
+                self._objective_children[key] = child
         child.inc()
 
     def refresh(self, pool: Pool, index: PrefixIndex) -> None:

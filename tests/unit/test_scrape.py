@@ -14,7 +14,16 @@ import pytest
 from picker.core.config import ScrapeConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint, EndpointMetrics, EndpointState, Health
-from picker.feeds.scrape import WANTED, Scraper, parse_metrics, prefilter
+from picker.feeds.scrape import (
+    OPTIONAL_WIRE_FIELDS,
+    WANTED,
+    WIRE_FIELDS,
+    Scraper,
+    metrics_from_wire,
+    metrics_to_wire,
+    parse_metrics,
+    prefilter,
+)
 
 FIXTURE = Path(__file__).parent / "data" / "vllm_0.32_metrics.txt"
 
@@ -28,6 +37,17 @@ def test_parse_two_engine_page() -> None:
     assert m.running_loras == frozenset({"sql-lora", "chat-lora"}), "newest lora_requests_info sample"
     assert m.waiting_loras == frozenset({"sql-lora"}) and m.max_lora == 4
     assert m.updated_at == 12.5
+    assert m.served_models == frozenset({"tiny"}), "the model_name label"
+
+
+def test_served_models_cross_the_wire_and_an_older_peers_list_still_reads() -> None:
+    m = parse_metrics(FIXTURE.read_text())
+    assert metrics_from_wire(metrics_to_wire(m)).served_models == m.served_models
+    older = metrics_to_wire(m)[: len(WIRE_FIELDS) - OPTIONAL_WIRE_FIELDS]  # no served_models
+    got = metrics_from_wire(older)
+    assert got.served_models == frozenset() and got.running == m.running
+    with pytest.raises(ValueError):
+        metrics_from_wire(older[:-1])
 
 
 def test_prefilter_keeps_only_wanted_families() -> None:

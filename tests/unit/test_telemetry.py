@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from picker.serving.tally import Tally
-from picker.serving.telemetry import Telemetry
+from picker.serving.telemetry import MAX_LABEL_CHARS, OTHER, Telemetry
 
 GONE, KEPT = "10.0.0.1:8000", "10.0.0.2:8000"
 
@@ -60,3 +60,29 @@ def test_tally_exposes_what_prometheus_client_would() -> None:
     assert plain.labels().counts == [0] * (len(bounds) + 1)
     assert _samples(ours) == _samples(theirs)
     assert {m.name: m.type for m in ours.collect()} == {m.name: m.type for m in theirs.collect()}
+
+
+def test_model_labels_are_known_names_cut_and_printable() -> None:
+    """A client's model name is a label value only when known (configured or served), else
+    "other"; a known one is cut to 128 characters, control characters replaced."""
+    known = {"llama", "x" * 1000, "a\x00b\nc"}
+    t = Telemetry(known_model=known.__contains__)
+    for name in ["llama", "llama", "x" * 1000, "a\x00b\nc", "y" * (1 << 20), "evil\x00", ""]:
+        t.count_request(name, name)
+    series = {k: c.value for k, c in t.objective_requests.series.items()}
+    assert series == {
+        ("llama", "llama"): 2,
+        ("x" * MAX_LABEL_CHARS, "x" * MAX_LABEL_CHARS): 1,
+        ("a?b?c", "a?b?c"): 1,
+        (OTHER, OTHER): 3,
+    }
+    text = generate_latest(t.registry)
+    assert b"\x00" not in text and len(text) < 16 * 1024
+
+
+def test_unknown_names_are_never_cached() -> None:
+    t = Telemetry()  # nothing known
+    for i in range(10_000):
+        t.count_request(f"m{i}", f"m{i}")
+    assert list(t.objective_requests.series) == [(OTHER, OTHER)]
+    assert not t._objective_children

@@ -91,6 +91,9 @@ class EndpointMetrics:
     progress_total: float = -1.0
     """Engine progress: ``vllm:iteration_tokens_total`` steps + generation and prompt tokens; it
     moves with every engine step. -1 when the page has none of them (then no stall is judged)."""
+    served_models: frozenset[str] = frozenset()
+    """The ``model_name`` label of ``vllm:num_requests_running``: the model names the replica
+    serves (what may become a ``/metrics`` label value of the picker's, besides configured ones)."""
     updated_at: float = 0.0  # time.monotonic() of the last successful scrape
 
 
