@@ -25,6 +25,13 @@ header, so only the picker steers
 routing and no client sets Envoy's retry or timeout knobs; ``use_remote_address: true`` makes Envoy append the real
 peer to ``x-forwarded-for`` instead of trusting the client's.
 
+Paths (every config): only the inference API reaches the model servers (``--allowed-paths``,
+:data:`INFERENCE_PATHS`, each with its sub-paths). The first route matches a ``:path`` outside the
+list (an inverted regex header match) and answers Envoy's own JSON 404 with ext_proc off for it,
+so a replica's ``/reset_prefix_cache``, ``/metrics`` or ``/tokenize`` is out of a client's reach,
+the picker up or down. Paths are normalised first (``normalize_path``, ``merge_slashes``), and an
+escaped slash is refused (400).
+
 Failure mode (``failure_mode_allow``):
 - close: a request the picker does not answer fails (500 from Envoy).
 - open: it goes on without the picker. With ``pool`` the override_host policy falls back to
@@ -111,6 +118,7 @@ from __future__ import annotations
 import argparse
 import copy
 import ipaddress
+import re
 import sys
 from typing import Any
 
@@ -448,6 +456,55 @@ def _routes(upstream: str, retries: int, idle: str, fallback: list[str]) -> list
     return routes
 
 
+INFERENCE_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/embeddings",
+    "/v1/models",
+)
+"""``--allowed-paths``' default: the inference API. A path routes to the pool when it is one of
+these or below one (``/v1/models/m``, ``/v1/responses/<id>``); every other gets a JSON 404 from
+Envoy and never reaches a replica (module doc)."""
+PATH_CHARS = re.compile(r"^/[-A-Za-z0-9/._~]*$")
+"""What an allowed path may hold (the chart's ``httpRoute.paths`` schema says the same)."""
+NOT_FOUND_ROUTE = "not_found"
+NOT_FOUND_BODY = (
+    '{"error":{"message":"this gateway routes only the inference API\'s paths",'
+    '"type":"not_found","code":404}}'
+)
+
+
+def path_regex(paths: list[str] | tuple[str, ...]) -> str:
+    """An RE2 regex for a ``:path`` (query string included) that is one of ``paths`` or below one."""
+    alts = "|".join(p.rstrip("/").replace(".", "\\.") for p in paths)
+    return f"^(?:{alts})(?:/[^?#]*)?(?:[?#].*)?$"
+
+
+def _not_found_route(paths: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """The first route: a ``:path`` outside ``paths`` gets Envoy's own JSON 404, with ext_proc off
+    (the picker never sees it, and it answers the same with the picker down)."""
+    outside = {
+        "name": ":path",
+        "string_match": {"safe_regex": {"regex": path_regex(paths)}},
+        "invert_match": True,
+    }
+    json_type = {"header": {"key": "content-type", "value": "application/json"}}
+    return {
+        "name": NOT_FOUND_ROUTE,
+        "match": {"prefix": "/", "headers": [outside]},
+        "direct_response": {"status": 404, "body": {"inline_string": NOT_FOUND_BODY}},
+        "response_headers_to_add": [{**json_type, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+        "typed_per_filter_config": {
+            "envoy.filters.http.ext_proc": {
+                "@type": _T + "filters.http.ext_proc.v3.ExtProcPerRoute",
+                "disabled": True,
+            }
+        },
+    }
+
+
 INT64_MAX = 2**63 - 1
 STREAMED_ROUTE = "streamed"
 """The suffix of the size twins' route names (``upstream:streamed``): the access log's ``route``
@@ -600,6 +657,9 @@ def _hcm(
         "stat_prefix": "kvpick",
         "codec_type": "AUTO",
         "use_remote_address": True,
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "REJECT_REQUEST",
         "early_header_mutation_extensions": _strip_headers(objective_header),
         "stream_idle_timeout": idle,
         "request_headers_timeout": "10s",
@@ -670,6 +730,7 @@ def render(
     access_log: str = "",
     preserve_request_id: bool = False,
     listen_address: str = "0.0.0.0",
+    allowed_paths: list[str] | tuple[str, ...] | None = INFERENCE_PATHS,
 ) -> dict[str, Any]:
     """The whole Envoy bootstrap. ``body_mode`` is the request body's; ``picker`` is one or more
     comma-separated ext_proc addresses; see the module doc."""
@@ -689,6 +750,11 @@ def render(
     routes = _routes(upstream, retries, stream_idle_timeout, (fallback or []) if failure_open else [])
     if body_mode == "BUFFERED":
         routes = _sized_routes(routes, stream_bodies_over, response_body_mode)
+    if allowed_paths:
+        bad = [p for p in allowed_paths if not PATH_CHARS.match(p)]
+        if bad:
+            raise ValueError(f"--allowed-paths: not a plain absolute path: {bad}")
+        routes = [_not_found_route(allowed_paths), *routes]
     ext_proc = _ext_proc(picker, failure_open, body_mode, response_body_mode)
     listener: dict[str, Any] = {
         "name": "kvpick",
@@ -806,6 +872,13 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep the client's x-request-id instead of generating one (default: Envoy generates it)",
     )
+    p.add_argument(
+        "--allowed-paths",
+        default=",".join(INFERENCE_PATHS),
+        help="comma-separated paths routed to the model servers (each with its sub-paths); any other "
+        "path gets a JSON 404 from Envoy and never reaches a replica (a replica's /metrics, /tokenize, "
+        "/reset_prefix_cache, ...). Empty: route every path",
+    )
     p.add_argument("-o", "--output", default="-")
     return p
 
@@ -834,6 +907,7 @@ def main(argv: list[str] | None = None) -> int:
             access_log=a.access_log,
             preserve_request_id=a.preserve_request_id,
             listen_address=a.listen_address,
+            allowed_paths=_split(a.allowed_paths),
         )
     except ValueError as err:
         parser().error(str(err))

@@ -161,3 +161,32 @@ def test_kind_gateway_is_admitted_by_the_default_policy() -> None:
 def test_values_say_what_two_pickers_do() -> None:
     text = (CHART / "values.yaml").read_text()
     assert "agree" in text and "active-active" in text
+
+
+INFERENCE_PATHS = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/embeddings",
+    "/v1/models",
+]
+
+
+def _route_paths(values: dict[str, Any]) -> list[tuple[str, str]]:
+    route = one(render(values), "HTTPRoute")
+    [rule] = route["spec"]["rules"]
+    return [(m["path"]["type"], m["path"]["value"]) for m in rule["matches"]]
+
+
+def test_http_route_routes_only_the_inference_paths() -> None:
+    """The HTTPRoute matches the inference API's paths only (the same allowlist as render.py's
+    --allowed-paths): a replica's /metrics, /tokenize or /reset_prefix_cache matches no rule, and
+    the gateway answers 404 without reaching a replica. The list is values' httpRoute.paths."""
+    on = {"httpRoute": {"enabled": True}, "gateway": {"create": True, "className": "eg"}}
+    assert _route_paths(on) == [("PathPrefix", p) for p in INFERENCE_PATHS]
+    mine = {**on, "httpRoute": {"enabled": True, "paths": ["/v1/completions", "/custom"]}}
+    assert _route_paths(mine) == [("PathPrefix", "/v1/completions"), ("PathPrefix", "/custom")]
+    for bad in ([], ["v1/completions"], ["/a b"]):
+        with pytest.raises(helm_python.HelmValuesError):
+            render({**on, "httpRoute": {"enabled": True, "paths": bad}})

@@ -149,14 +149,16 @@ def test_streamed_response_through_gie_test_config(tmp_path: pathlib.Path) -> No
 def _skip_request_headers(node: object, keep_route_header: bool) -> None:
     """The rendered config, edited in place: ext_proc SKIPs the request headers (the body comes
     alone, one message each way); without ``keep_route_header`` the ORIGINAL_DST route no longer
-    requires the destination header either."""
+    requires the destination header either (the path allowlist's ``:path`` match is kept)."""
     if isinstance(node, dict):
         mode = node.get("processing_mode")
         if isinstance(mode, dict) and "request_header_mode" in mode:
             mode["request_header_mode"] = "SKIP"
         match = node.get("match")
-        if not keep_route_header and isinstance(match, dict):
-            match.pop("headers", None)
+        if not keep_route_header and isinstance(match, dict):  # the path allowlist's route stays
+            kept = [h for h in match.pop("headers", []) if h["name"] == ":path"]
+            if kept:
+                match["headers"] = kept
         for v in node.values():
             _skip_request_headers(v, keep_route_header)
     elif isinstance(node, list):

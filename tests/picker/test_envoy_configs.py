@@ -67,7 +67,13 @@ def test_every_shipped_config_is_hardened(name: str) -> None:
     if proc["failure_mode_allow"]:
         assert mode["request_body_mode"] == "BUFFERED"
     assert hcm["stream_idle_timeout"] == "300s" and hcm["request_headers_timeout"] == "10s"
-    for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+    not_found, *routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert not_found["name"] == "not_found" and not_found["direct_response"]["status"] == 404
+    [outside] = not_found["match"]["headers"]  # a :path outside the allowlist: ext_proc off
+    assert outside["name"] == ":path" and outside["invert_match"] is True
+    assert not_found["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
+    assert hcm["normalize_path"] is True and hcm["merge_slashes"] is True
+    for route in routes:
         assert route["route"]["timeout"] == "0s" and route["route"]["idle_timeout"] == "300s"
         assert "retry_policy" in route["route"]
     clusters = [c for c in cfg["static_resources"]["clusters"] if c["name"] != "kvpick_picker"]
