@@ -32,6 +32,11 @@ so a replica's ``/reset_prefix_cache``, ``/metrics`` or ``/tokenize`` is out of 
 the picker up or down. Paths are normalised first (``normalize_path``, ``merge_slashes``), and an
 escaped slash is refused (400).
 
+Header limits (every config): a Lua filter before ext_proc answers a JSON 431 past
+``--max-request-headers`` (100) headers or 60 KiB of them, far under the connection manager's own
+limits (1,000, 96 KiB). ext_proc checks the headers after the picker's mutation against those and
+answers 500 past them: with Envoy's defaults (100, 60 KiB), 88-95 client headers got a 500.
+
 Failure mode (``failure_mode_allow``):
 - close: a request the picker does not answer fails (500 from Envoy).
 - open: it goes on without the picker. With ``pool`` the override_host policy falls back to
@@ -206,6 +211,75 @@ function envoy_on_response(handle)
   end
 end
 """
+
+
+MAX_REQUEST_HEADERS = 100
+"""``--max-request-headers``: a request with more headers than this, as Envoy holds it before
+ext_proc (the client's, the pseudo-headers and those Envoy adds: ``x-forwarded-for``,
+``x-request-id``, ...), gets a JSON 431 (module doc)."""
+MAX_REQUEST_HEADERS_KB = 60
+"""A request whose headers' names and values hold more than this many KiB gets the same 431
+(Envoy's default ``max_request_headers_kb``)."""
+ENVOY_MAX_HEADERS = 1000
+ENVOY_MAX_HEADERS_KB = 96
+"""The connection manager's own limits (``max_headers_count``, ``max_request_headers_kb``), far
+above the check's: room for what the picker's header mutation adds (the destination, a generated
+``x-request-id``, a ``content-length``), which ext_proc checks against them (a 500 past them)."""
+TOO_MANY_HEADERS_BODY = (
+    '{"error":{"message":"request has too many headers","type":"request_header_fields_too_large","code":431}}'
+)
+HEADER_COUNT_LUA = """
+local LIMIT = {limit}
+local LIMIT_BYTES = {limit_bytes}
+local BODY = '{body}'
+function envoy_on_request(handle)
+  local n, bytes = 0, 0
+  for k, v in pairs(handle:headers()) do
+    n = n + 1
+    bytes = bytes + #k + #v
+  end
+  if n > LIMIT or bytes > LIMIT_BYTES then
+    handle:respond({{[":status"] = "431", ["content-type"] = "application/json"}}, BODY)
+  end
+end
+"""
+
+
+def _header_count_check(limit: int) -> dict[str, Any]:
+    """A Lua filter before ext_proc: a request with more than ``limit`` headers, or more than
+    :data:`MAX_REQUEST_HEADERS_KB` of them, gets a JSON 431. ext_proc refuses (500) a header
+    mutation whose result passes the connection manager's limits: with Envoy's defaults (100
+    headers, 60 KiB) a request just under them was accepted, and the headers Envoy and the picker
+    add pushed it over. Those limits are now :data:`ENVOY_MAX_HEADERS` and
+    :data:`ENVOY_MAX_HEADERS_KB`: past them Envoy's HTTP/1 codec refuses the request, and as its
+    local reply then passes through ext_proc while the connection closes, the client gets no
+    answer (Envoy 1.40)."""
+    lua = HEADER_COUNT_LUA.format(
+        limit=limit, limit_bytes=MAX_REQUEST_HEADERS_KB * 1024, body=TOO_MANY_HEADERS_BODY
+    )
+    return {
+        "name": "kvpick.header_count",
+        "typed_config": {
+            "@type": _T + "filters.http.lua.v3.Lua",
+            "default_source_code": {"inline_string": lua},
+        },
+    }
+
+
+def _too_many_headers_reply() -> dict[str, Any]:
+    """Any other 431 of Envoy's in the same JSON shape as the Lua check's."""
+    error = {
+        "message": "request has too many headers",
+        "type": "request_header_fields_too_large",
+        "code": 431,
+    }
+    status = {
+        "comparison": {"op": "EQ", "value": {"default_value": 431, "runtime_key": "kvpick.too_many_headers"}}
+    }
+    return {
+        "filter": {"status_code_filter": status},
+        "body_format_override": {"json_format": {"error": error}, "content_type": "application/json"},
+    }
 
 
 def _report_served() -> list[dict[str, Any]]:
@@ -651,7 +725,10 @@ def _hcm(
     objective_header: str = "pass",
     access_log: str = "",
     preserve_request_id: bool = False,
+    max_request_headers: int = MAX_REQUEST_HEADERS,
 ) -> dict[str, Any]:
+    local_reply = _too_large_reply(max_body_bytes)
+    local_reply["mappers"].append(_too_many_headers_reply())
     hcm: dict[str, Any] = {
         "@type": _T + "filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "kvpick",
@@ -663,13 +740,18 @@ def _hcm(
         "early_header_mutation_extensions": _strip_headers(objective_header),
         "stream_idle_timeout": idle,
         "request_headers_timeout": "10s",
-        "common_http_protocol_options": {"idle_timeout": "300s"},
-        "local_reply_config": _too_large_reply(max_body_bytes),
+        "common_http_protocol_options": {
+            "idle_timeout": "300s",
+            "max_headers_count": max(ENVOY_MAX_HEADERS, 2 * max_request_headers),
+        },
+        "max_request_headers_kb": ENVOY_MAX_HEADERS_KB,
+        "local_reply_config": local_reply,
         "route_config": {
             "name": "kvpick",
             "virtual_hosts": [{"name": "kvpick", "domains": ["*"], "routes": routes}],
         },
         "http_filters": [
+            _header_count_check(max_request_headers),
             ext_proc,
             *served,
             {
@@ -731,6 +813,7 @@ def render(
     preserve_request_id: bool = False,
     listen_address: str = "0.0.0.0",
     allowed_paths: list[str] | tuple[str, ...] | None = INFERENCE_PATHS,
+    max_request_headers: int = MAX_REQUEST_HEADERS,
 ) -> dict[str, Any]:
     """The whole Envoy bootstrap. ``body_mode`` is the request body's; ``picker`` is one or more
     comma-separated ext_proc addresses; see the module doc."""
@@ -773,6 +856,7 @@ def render(
                             objective_header,
                             access_log,
                             preserve_request_id,
+                            max_request_headers,
                         ),
                     }
                 ]
@@ -873,6 +957,14 @@ def parser() -> argparse.ArgumentParser:
         help="keep the client's x-request-id instead of generating one (default: Envoy generates it)",
     )
     p.add_argument(
+        "--max-request-headers",
+        type=int,
+        default=MAX_REQUEST_HEADERS,
+        help="a request with more headers than this (as Envoy holds it, its own additions included) "
+        f"gets a JSON 431 (as do {MAX_REQUEST_HEADERS_KB} KiB of headers); Envoy's own limits are "
+        f"{ENVOY_MAX_HEADERS} headers and {ENVOY_MAX_HEADERS_KB} KiB, room for the picker's",
+    )
+    p.add_argument(
         "--allowed-paths",
         default=",".join(INFERENCE_PATHS),
         help="comma-separated paths routed to the model servers (each with its sub-paths); any other "
@@ -908,6 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
             preserve_request_id=a.preserve_request_id,
             listen_address=a.listen_address,
             allowed_paths=_split(a.allowed_paths),
+            max_request_headers=a.max_request_headers,
         )
     except ValueError as err:
         parser().error(str(err))

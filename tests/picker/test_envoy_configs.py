@@ -47,7 +47,12 @@ def test_every_shipped_config_is_hardened(name: str) -> None:
     cfg = _config(name)
     hcm = _hcm(cfg)
     assert hcm["use_remote_address"] is True
-    ext_proc, *served, router = hcm["http_filters"]
+    count, ext_proc, *served, router = hcm["http_filters"]
+    # Too many headers: a JSON 431 before ext_proc, under Envoy's own limit with room for the
+    # picker's mutation (which ext_proc refuses, 500, past that limit).
+    assert count["name"] == "kvpick.header_count" and "LIMIT = 100" in str(count)
+    assert hcm["common_http_protocol_options"]["max_headers_count"] == 1000
+    assert hcm["max_request_headers_kb"] == 96
     assert ext_proc["name"] == "envoy.filters.http.ext_proc" and router["name"].endswith("router")
     # Every config reports the served host on the response path (the protocol's MUST).
     assert [f["name"] for f in served] == ["envoy.filters.http.lua", "kvpick.served_stamp"]
