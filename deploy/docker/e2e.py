@@ -162,12 +162,13 @@ def wait_http(url: str, want: int, timeout_s: float, stack: Stack, container: st
 
 def start_sims(stack: Stack, n: int) -> dict[str, str]:
     """The chart's sim Deployment: python -m replica.sim --host=0.0.0.0 --port=8000 --model=M
-    --kv-events-port=5557 (the picker subscribes to its KV events, as to vLLM's)."""
+    --kv-events-port=5557 (the picker subscribes to its KV events, as to vLLM's), read-only with
+    /tmp writable, as the chart runs it."""
     out = {}
     for i in range(n):
         args = ["-m", "replica.sim", "--host=0.0.0.0", f"--port={REPLICA_PORT}", f"--model={SIM_MODEL}",
                 f"--kv-events-port={KV_EVENTS_PORT}"]  # fmt: skip
-        ip = stack.run(f"sim{i}", "sim", *args, opts=("--entrypoint", "python"))
+        ip = stack.run(f"sim{i}", "sim", *args, opts=("--entrypoint", "python"), read_only=True)
         out[stack.containers[-1]] = ip
     return out
 
