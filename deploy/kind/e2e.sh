@@ -68,7 +68,11 @@ kubectl apply -k "github.com/kubernetes-sigs/gateway-api-inference-extension/con
 kubectl create namespace "$NAMESPACE" --dry-run=client -o yaml | kubectl apply -f -
 
 echo "=== 3. helm install with simulator replicas"
+# check.py reads the replicas' /metrics through the API server's pod proxy: the replicas'
+# NetworkPolicy admits the control plane's address to the serving port, besides gateway and pickers.
+CP_IP=$(kubectl get node "$CLUSTER-control-plane" -o jsonpath='{.status.addresses[?(@.type=="InternalIP")].address}')
 helm upgrade --install "$RELEASE" charts/kvpick -n "$NAMESPACE" --wait --timeout 5m \
+  --set "replicaNetworkPolicy.extraFrom[0].ipBlock.cidr=$CP_IP/32" \
   --set-string model="$MODEL" \
   --set picker.image.repository=$REGISTRY/picker --set picker.image.tag=$TAG --set picker.image.pullPolicy=Never \
   --set simulator.enabled=true --set simulator.replicas=3 \
@@ -80,6 +84,7 @@ helm upgrade --install "$RELEASE" charts/kvpick -n "$NAMESPACE" --wait --timeout
 # The headless peers Service: its name resolves to every picker pod, so Envoy health-checks,
 # ejects and retries each picker on its own (a ClusterIP name would be one host to Envoy).
 "$PYTHON" deploy/kind/envoy_manifest.py --namespace "$NAMESPACE" --image "$ENVOY_IMAGE" \
+  --gateway-name "$RELEASE-gateway" \
   --picker "$RELEASE-picker-peers.$NAMESPACE.svc.cluster.local:9002" | kubectl apply -f -
 kubectl -n "$NAMESPACE" rollout status deploy/kvpick-envoy --timeout 180s
 kubectl -n "$NAMESPACE" rollout status deploy/"$RELEASE"-picker --timeout 180s

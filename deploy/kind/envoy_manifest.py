@@ -50,7 +50,11 @@ def envoy_config(picker: str, tls: bool, listen_port: int) -> dict[str, Any]:
     return cfg
 
 
-def manifests(namespace: str, picker: str, tls: bool, image: str, port: int) -> list[dict[str, Any]]:
+def manifests(
+    namespace: str, picker: str, tls: bool, image: str, port: int, gateway_name: str = "kvpick-gateway"
+) -> list[dict[str, Any]]:
+    """``gateway_name``: the Gateway this Envoy stands in for, on its pods' Gateway API label; the
+    chart's NetworkPolicies admit pods labelled ``<release>-gateway`` in its namespace (provider none)."""
     labels = {"app.kubernetes.io/name": "kvpick-envoy"}
     meta = {"name": "kvpick-envoy", "namespace": namespace, "labels": labels}
     config = json.dumps(envoy_config(picker, tls, port), indent=1)  # JSON is YAML: Envoy reads it as is
@@ -90,9 +94,9 @@ def manifests(namespace: str, picker: str, tls: bool, image: str, port: int) -> 
             "spec": {
                 "replicas": 1,
                 "selector": {"matchLabels": labels},
-                # The Gateway API label: the chart's default NetworkPolicy admits it to ext_proc.
+                # The Gateway API label: the chart's default NetworkPolicies admit it (ext_proc, replicas).
                 "template": {
-                    "metadata": {"labels": {**labels, GATEWAY_LABEL: "kvpick-envoy"}},
+                    "metadata": {"labels": {**labels, GATEWAY_LABEL: gateway_name}},
                     "spec": pod_spec,
                 },
             },
@@ -117,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         "--image", default="envoyproxy/envoy:v1.36-latest", help="e2e.sh passes our kvpick envoy image"
     )
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--gateway-name",
+        default="kvpick-gateway",
+        help="the pods' gateway.networking.k8s.io/gateway-name: <release>-gateway, which the chart admits",
+    )
     args = p.parse_args(argv)
-    docs = manifests(args.namespace, args.picker, not args.plaintext, args.image, args.port)
+    docs = manifests(args.namespace, args.picker, not args.plaintext, args.image, args.port, args.gateway_name)
     sys.stdout.write("\n---\n".join(json.dumps(d, indent=1) for d in docs) + "\n")
     return 0
 

@@ -67,8 +67,19 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "istio": {"provider": "istio", "gateway": {**GATEWAY, "className": "istio"}, "httpRoute": ROUTE},
     "gke": {
         "provider": "gke",
-        "gateway": {**GATEWAY, "className": "gke-l7-regional-external-managed"},
+        "gateway": {
+            **GATEWAY,
+            "className": "gke-l7-regional-external-managed",
+            "ipBlocks": ["10.129.0.0/23"],
+        },
         "httpRoute": {"enabled": True, "requestTimeout": ""},
+    },
+    "replicas-hardened": {
+        "vllm": {"enabled": True, "cacheVolume": {"persistentVolumeClaim": {"claimName": "models"}}},
+        "simulator": {"enabled": True},
+        "inferencePool": {"targetPorts": [{"number": 8000}, {"number": 8001}]},
+        "prefix": {"kvEventsReplayPort": 5600},
+        "replicaNetworkPolicy": {"admitMonitoring": True, "extraFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]},
     },
     "existing-gateway": {
         "httpRoute": {"enabled": True, "gatewayName": "inference-gw", "gatewayNamespace": "gw"}

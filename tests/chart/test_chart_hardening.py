@@ -1,4 +1,4 @@
-"""The chart's production settings: the NetworkPolicy admits only the gateway to ext_proc, the
+"""The chart's production settings: the NetworkPolicy admits only the release's gateway to ext_proc, the
 termination grace covers preStop plus the picker's drain, replicas and PDB agree, the debug API is
 off and metrics stay on 9090. The NetworkPolicy is evaluated here the way Kubernetes reads it."""
 
@@ -10,13 +10,25 @@ import helm_python
 import pytest
 
 from picker.__main__ import build_parser
-from tests.chart.test_chart import CHART, RELEASE, one, picker_labels, render
+from tests.chart.test_chart import CHART, NS, RELEASE, one, picker_labels, render
 
 pytestmark = pytest.mark.chart
 
-ISTIO_GW = ({"gateway.networking.k8s.io/gateway-name": "inference-gw", "app": "istio-gw"}, {"name": "gw"})
-EG_GW = ({"gateway.envoyproxy.io/owning-gateway-name": "eg"}, {"name": "envoy-gateway-system"})
-OTHER = ({"app": "someone-else"}, {"name": "tenant-a"})
+
+def ns(name: str) -> dict[str, str]:
+    """A namespace's labels: Kubernetes sets kubernetes.io/metadata.name on every namespace."""
+    return {"kubernetes.io/metadata.name": name}
+
+
+# The release's own Gateway (provider none: llm-gateway in the release namespace), as the Gateway
+# API label marks its pods; other gateways' pods; Prometheus; anyone else.
+OWN_GW = ({"gateway.networking.k8s.io/gateway-name": f"{RELEASE}-gateway"}, ns(NS))
+OTHER_GW = ({"gateway.networking.k8s.io/gateway-name": "tenant-gw"}, ns("tenant-a"))
+OTHER_GW_HERE = ({"gateway.networking.k8s.io/gateway-name": "tenant-gw"}, ns(NS))
+EG_GW = ({"gateway.envoyproxy.io/owning-gateway-name": "eg"}, ns("envoy-gateway-system"))
+PROMETHEUS = ({"app.kubernetes.io/name": "prometheus"}, ns("monitoring"))
+FAKE_PROMETHEUS = ({"app.kubernetes.io/name": "prometheus"}, ns("tenant-a"))
+OTHER = ({"app": "someone-else"}, ns("tenant-a"))
 
 
 def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -58,41 +70,43 @@ def admitted(
 
 
 def test_only_gateway_pods_reach_ext_proc() -> None:
+    """The release's Gateway's pods, not any pod carrying a gateway label; metrics only from
+    Prometheus in `monitoring`; health open; the debug port never."""
     docs = render({})
     policy = one(docs, "NetworkPolicy")
     assert _selects(policy["spec"]["podSelector"], picker_labels(docs))
     assert policy["spec"]["policyTypes"] == ["Ingress"]
-    for pod, ns in (ISTIO_GW, EG_GW):
-        assert admitted(policy, pod, ns, 9002)
-    assert not admitted(policy, *OTHER, 9002), "any pod could call ext_proc"
+    assert admitted(policy, *OWN_GW, 9002)
+    for pod, labels in (OTHER_GW, OTHER_GW_HERE, EG_GW, OTHER, PROMETHEUS):
+        assert not admitted(policy, pod, labels, 9002), f"{pod} in {labels} could call ext_proc"
     assert admitted(policy, *OTHER, 9003), "health is open (it reveals nothing)"
-    assert admitted(policy, *OTHER, 9090), "metrics: any pod in the cluster by default"
+    assert admitted(policy, *PROMETHEUS, 9090)
+    for pod, labels in (OTHER, FAKE_PROMETHEUS, OWN_GW):
+        assert not admitted(policy, pod, labels, 9090), f"{pod} in {labels} could read metrics"
     assert not admitted(policy, *OTHER, 9091), "the debug port is never opened"
 
 
 def test_network_policy_selector_is_configurable() -> None:
-    peers = [
-        {
-            "namespaceSelector": {"matchLabels": {"name": "gw"}},
+    values = {
+        "gateway": {
+            "namespaceSelector": {"matchLabels": ns("gw")},
             "podSelector": {"matchLabels": {"app": "istio-gw"}},
-        }
-    ]
-    values = {"picker": {"networkPolicy": {"enabled": True, "gatewayFrom": peers, "metricsFrom": []}}}
-    policy = one(render(values), "NetworkPolicy")
-    assert admitted(policy, *ISTIO_GW, 9002) and not admitted(policy, *EG_GW, 9002)
-    assert not admitted(policy, *OTHER, 9090), "metricsFrom [] admits nobody to metrics"
-    gke = {
-        "picker": {
-            "networkPolicy": {
-                "enabled": True,
-                "gatewayFrom": [{"ipBlock": {"cidr": "10.129.0.0/23"}}],
-                "metricsFrom": [],
-            }
-        }
+        },
+        # Helm merges maps: null drops the default's pod labels, leaving {} (every pod there).
+        "monitoring": {"namespaceSelector": {"matchLabels": ns("obs")}, "podSelector": {"matchLabels": None}},
     }
+    policy = one(render(values), "NetworkPolicy")
+    assert admitted(policy, {"app": "istio-gw"}, ns("gw"), 9002)
+    assert not admitted(policy, *OWN_GW, 9002) and not admitted(policy, {"app": "istio-gw"}, ns(NS), 9002)
+    assert admitted(policy, {"any": "pod"}, ns("obs"), 9090) and not admitted(policy, *PROMETHEUS, 9090)
+    gke = {"provider": "gke", "gateway": {"ipBlocks": ["10.129.0.0/23"]}}
     rule = one(render(gke), "NetworkPolicy")["spec"]["ingress"][0]
-    assert rule["from"] == [{"ipBlock": {"cidr": "10.129.0.0/23"}}]
-    off = {"picker": {"networkPolicy": {"enabled": False, "gatewayFrom": peers, "metricsFrom": []}}}
+    assert rule["from"] == [
+        {"ipBlock": {"cidr": "10.129.0.0/23"}},
+        {"ipBlock": {"cidr": "35.191.0.0/16"}},
+        {"ipBlock": {"cidr": "130.211.0.0/22"}},
+    ], "GKE's proxies and health checks, no pods"
+    off = {"picker": {"networkPolicy": {"enabled": False}}}
     assert not [d for d in render(off) if d["kind"] == "NetworkPolicy"]
 
 
@@ -149,13 +163,11 @@ def test_kind_gateway_is_admitted_by_the_default_policy() -> None:
     sys.path.insert(0, str(CHART.parents[1] / "deploy" / "kind"))
     import envoy_manifest
 
-    dep = next(
-        d
-        for d in envoy_manifest.manifests("kvpick", "p:9002", True, "envoy", 8080)
-        if d["kind"] == "Deployment"
-    )
-    pod = dep["spec"]["template"]["metadata"]["labels"]
-    assert admitted(one(render({}), "NetworkPolicy"), pod, {"name": "kvpick"}, 9002)
+    docs = envoy_manifest.manifests(NS, "p:9002", True, "envoy", 8080, gateway_name=f"{RELEASE}-gateway")
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert admitted(one(render({}), "NetworkPolicy"), pod, ns(NS), 9002)
+    e2e = (CHART.parents[1] / "deploy" / "kind" / "e2e.sh").read_text()
+    assert '--gateway-name "$RELEASE-gateway"' in e2e, "e2e.sh labels its Envoy as the release's Gateway"
 
 
 def test_values_say_what_two_pickers_do() -> None:

@@ -120,10 +120,17 @@ def _set_values(argv: list[str]) -> dict[str, Any]:
             continue
         for item in arg.split(","):
             key, _, raw = item.partition("=")
-            node = values
+            node: Any = values
             *parents, leaf = key.split(".")
             for part in parents:
-                node = node.setdefault(part, {})
+                name, _, index = part.partition("[")  # a list item: extraFrom[0]
+                if index:
+                    items = node.setdefault(name, [])
+                    i = int(index.rstrip("]"))
+                    items.extend({} for _ in range(i + 1 - len(items)))
+                    node = items[i]
+                else:
+                    node = node.setdefault(part, {})
             node[leaf] = raw if flag == "--set-string" else yaml.safe_load(raw)
     return values
 
@@ -156,7 +163,11 @@ def test_kind_e2e_sends_the_model_the_chart_serves(tmp_path: pathlib.Path) -> No
     check = next(c for c in calls if c[:2] == ["python3", "deploy/kind/check.py"])
     sent = kind_check.build_parser().parse_args(check[2:]).model
 
-    docs = render(_set_values(helm))  # the chart's schema validates e2e.sh's values too
+    values = _set_values(helm)
+    docs = render(values)  # the chart's schema validates e2e.sh's values too
+    # check.py reads /metrics through the API server's pod proxy: the control plane is admitted.
+    extra = values["replicaNetworkPolicy"]["extraFrom"]
+    assert [list(p) for p in extra] == [["ipBlock"]] and extra[0]["ipBlock"]["cidr"].endswith("/32")
     sim = one(docs, "Deployment", f"{RELEASE}-sim")["spec"]["template"]["spec"]["containers"][0]
     assert sim_parser().parse_args(sim["args"]).model == sent
 

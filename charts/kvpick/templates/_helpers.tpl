@@ -43,3 +43,49 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 {{- join "," $ports -}}
 {{- end -}}
+
+{{/* The Gateway the chart serves: its name and namespace (httpRoute's, else the chart's own). */}}
+{{- define "kvpick.gatewayName" -}}
+{{- .Values.httpRoute.gatewayName | default (printf "%s-gateway" (include "kvpick.fullname" .)) -}}
+{{- end -}}
+{{- define "kvpick.gatewayNamespace" -}}
+{{- .Values.httpRoute.gatewayNamespace | default .Release.Namespace -}}
+{{- end -}}
+
+{{/* The gateway's proxies as NetworkPolicy peers (a YAML list): its pods, by the selectors in
+`gateway` or those its provider's labels give (values.yaml, gateway.podSelector), and `gateway.ipBlocks`
+(with GKE's health-check ranges under provider gke, whose proxies are outside the cluster). */}}
+{{- define "kvpick.gatewayPeers" -}}
+{{- $gw := .Values.gateway -}}
+{{- $name := include "kvpick.gatewayName" . -}}
+{{- $ns := include "kvpick.gatewayNamespace" . -}}
+{{- $podSel := $gw.podSelector -}}
+{{- $nsSel := $gw.namespaceSelector -}}
+{{- if eq .Values.provider "envoy-gateway" -}}
+{{- $podSel = $podSel | default (dict "matchLabels" (dict "gateway.envoyproxy.io/owning-gateway-name" $name "gateway.envoyproxy.io/owning-gateway-namespace" $ns)) -}}
+{{- $nsSel = $nsSel | default (dict "matchLabels" (dict "kubernetes.io/metadata.name" "envoy-gateway-system")) -}}
+{{- else if ne .Values.provider "gke" -}}
+{{- $podSel = $podSel | default (dict "matchLabels" (dict "gateway.networking.k8s.io/gateway-name" $name)) -}}
+{{- end -}}
+{{- $nsSel = $nsSel | default (dict "matchLabels" (dict "kubernetes.io/metadata.name" $ns)) -}}
+{{- $peers := list -}}
+{{- if $podSel -}}
+{{- $peers = append $peers (dict "namespaceSelector" $nsSel "podSelector" $podSel) -}}
+{{- end -}}
+{{- $cidrs := $gw.ipBlocks -}}
+{{- if eq .Values.provider "gke" -}}
+{{- $cidrs = concat $cidrs (list "35.191.0.0/16" "130.211.0.0/22") -}}
+{{- end -}}
+{{- range $cidrs -}}
+{{- $peers = append $peers (dict "ipBlock" (dict "cidr" .)) -}}
+{{- end -}}
+{{- toYaml $peers -}}
+{{- end -}}
+
+{{/* `monitoring` as one NetworkPolicy peer. */}}
+{{- define "kvpick.monitoringPeer" -}}
+namespaceSelector:
+  {{- toYaml .Values.monitoring.namespaceSelector | nindent 2 }}
+podSelector:
+  {{- toYaml .Values.monitoring.podSelector | nindent 2 }}
+{{- end -}}
