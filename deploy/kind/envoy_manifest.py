@@ -127,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the pods' gateway.networking.k8s.io/gateway-name: <release>-gateway, which the chart admits",
     )
     args = p.parse_args(argv)
-    docs = manifests(args.namespace, args.picker, not args.plaintext, args.image, args.port, args.gateway_name)
+    docs = manifests(
+        args.namespace, args.picker, not args.plaintext, args.image, args.port, args.gateway_name
+    )
     sys.stdout.write("\n---\n".join(json.dumps(d, indent=1) for d in docs) + "\n")
     return 0
 
