@@ -73,7 +73,10 @@ a ``content-length`` of at least the threshold, or none (a chunked body of unkno
 per-route ext_proc override (``ExtProcPerRoute.overrides.processing_mode``) makes the request body
 FULL_DUPLEX_STREAMED: it arrives in chunks of about 1 MiB (the listener's buffer limit is lowered to
 the threshold plus 64 KiB, as no buffered body is larger), each a short step, and the parse runs in
-the picker's worker process. Envoy also holds at most that much of a request per connection. Not
+the picker's worker process. Envoy also holds at most that much of a request per connection. On
+these routes Envoy honours the picker's per-request skip of the response path (``mode_override``)
+after the body and then closes the ext_proc stream at once, ending the request's accounting while
+it is served; so the picker sends it only with a BUFFERED body (picker/serving/extproc.py). Not
 with fail-open: a streamed body cannot fail open once its first chunk went to the picker (Envoy 1.40
 answers 500, or resets), so fail-open keeps every body BUFFERED and refuses a threshold.
 

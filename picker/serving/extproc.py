@@ -18,7 +18,13 @@ Message order per HTTP request (one gRPC stream):
   ``mode_override`` (Envoy's ``allow_mode_override``) that SKIPs response headers and trailers for
   this request. That saves a message each way per request. The ext_proc stream still ends with the
   HTTP stream (Envoy closes it when the filter is destroyed), which ends the accounting; what is
-  lost is the response status in the ``kvpick_requests_total`` decision label.
+  lost is the response status in the ``kvpick_requests_total`` decision label. Not with a
+  ``FULL_DUPLEX_STREAMED`` request body (the shipped configs' large and chunked bodies, GIE's every
+  body): there the headers are answered after the body, and where that mode comes from a route's
+  ``ExtProcPerRoute`` override Envoy 1.40 honours the skip and closes the ext_proc stream as soon
+  as the request body has gone upstream, which ended the accounting the moment the request was
+  routed (issue 23). The response headers keep the stream, and the accounting, open until the
+  HTTP stream ends.
 
 :class:`~picker.core.errors.PickerError` is translated here, and only here, into an
 ``ImmediateResponse`` with a JSON error body. Any other exception is logged with its traceback and
@@ -295,7 +301,13 @@ class Exchange:
             self.request_mode, self.response_mode = cfg.request_body_mode, cfg.response_body_mode
         self.headers = _headers_map(msg)
         self.phase = Phase.BODY
-        self.skip_response_headers = self.skip_response_headers and self.response_mode == NO_BODY
+        # Never with a FULL_DUPLEX_STREAMED request body: its headers are answered after the body,
+        # and where that mode is a route's override (large and chunked bodies) Envoy 1.40 honours
+        # the skip and then closes the ext_proc stream as soon as the request body is through,
+        # which would end the request's accounting while it is still being served.
+        self.skip_response_headers = (
+            self.skip_response_headers and self.response_mode == NO_BODY and self.request_mode != FULL_DUPLEX
+        )
         if msg.end_of_stream or self.request_mode == NO_BODY:
             # Bodiless (GET /v1/models), or a body Envoy will not send: any ready endpoint.
             self._pick(())

@@ -369,6 +369,25 @@ def test_response_headers_are_skipped_only_where_nothing_of_the_response_is_want
         assert mode.request_header_mode == pm.SEND and mode.request_trailer_mode == pm.SEND
 
 
+def test_a_full_duplex_request_body_never_skips_the_response_path() -> None:
+    """Issue 23: with a FULL_DUPLEX_STREAMED request body the headers are answered after the body,
+    and where that mode is a route's override Envoy honours a skip there and closes the ext_proc
+    stream once the body is through, ending the accounting the moment the request is routed. So
+    the late headers answer carries no override, and the request stays in flight until the
+    stream ends."""
+    ex, pool = make(FULL_DUPLEX)
+    ex.skip_response_headers = True
+    cfg = pb.ProtocolConfiguration(request_body_mode=FULL_DUPLEX, response_body_mode=NO_BODY)  # type: ignore[arg-type]
+    assert ex.on_request_headers(headers(), cfg) == []
+    hdr, *_ = ex.on_request_body(BODY)
+    assert hdr.HasField("request_headers") and not hdr.HasField("mode_override"), hdr
+    assert sum(s.load.in_flight_requests for s in pool) == 1
+    ex.on_response_headers(pb.HttpHeaders(headers=base_pb2.HeaderMap()))
+    assert sum(s.load.in_flight_requests for s in pool) == 1, "the response headers ended the accounting"
+    ex.close()
+    assert sum(s.load.in_flight_requests for s in pool) == 0
+
+
 def test_the_service_skips_response_headers_only_without_fallbacks() -> None:
     pool = Pool()
     assert service(Router(RouterConfig(fallbacks=0), pool)).skip_response_headers
