@@ -7,7 +7,6 @@ estimates show it, and small requests sent beside it go to the other replicas.""
 from __future__ import annotations
 
 import pathlib
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,39 +15,10 @@ from typing import Any
 import orjson
 import pytest
 
+from bench.body_load import WORDS, long_body, post_raw
 from kvlaunch import PY, Procs, Stack, free_port, http, post_json, wait_port
 
 pytestmark = pytest.mark.envoy
-WORDS = "lorem ipsum dolor sit amet consectetur adipiscing elit "
-
-
-def _long_body(size: int) -> bytes:
-    body = orjson.dumps({"model": "m", "prompt": "long " + WORDS * (size // len(WORDS)), "max_tokens": 1})
-    assert abs(len(body) - size) < 1024, len(body)
-    return body
-
-
-def post_raw(port: int, body: bytes, chunked: bool, out: dict[str, Any]) -> None:
-    """POST ``body`` over HTTP/1.1, chunked (no declared size) or with a content-length; records
-    the status and the seconds it took in ``out``."""
-    size = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{size}\r\n"
-        "Connection: close\r\n\r\n"
-    ).encode()
-    wire = body
-    if chunked:
-        step = 64 * 1024
-        parts = (body[i : i + step] for i in range(0, len(body), step))
-        wire = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
-    start = time.monotonic()
-    got = b""
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
-        s.sendall(head + wire)
-        while chunk := s.recv(65536):
-            got += chunk
-    out["status"] = int(got.split(b" ", 2)[1])
-    out["seconds"] = time.monotonic() - start
 
 
 def _explain(st: Stack, doc: dict[str, Any]) -> dict[str, Any]:
@@ -81,7 +51,7 @@ def test_a_long_streamed_prompt_is_load_while_it_prefills_and_small_requests_rou
         st.wait_routable({"model": "m", "prompt": "warm", "max_tokens": 1})
         st.wait_in_flight_zero()
         long: dict[str, Any] = {}
-        sender = threading.Thread(target=post_raw, args=(st.envoy_port, _long_body(size), chunked, long))
+        sender = threading.Thread(target=post_raw, args=(st.envoy_port, long_body(size), chunked, long))
         sender.start()
         deadline = time.monotonic() + 10
         busy: list[str] = []
