@@ -115,10 +115,12 @@ def _engine_times(url: str, model: str, round_: int = 0) -> dict[str, float]:
     return out
 
 
-SCALE_BOUNDS = (0.6, 1.67)
-"""How far this machine's speed may stray from the one the profile was fitted on. Seen here, idle:
-a 512-token prefill took 12.7 ms one hour and 10.8 ms the next (the machines are shared VMs), and
-other load slows the engine further."""
+SCALE_BOUNDS = (0.5, 2.5)
+"""How far this machine's speed may stray from the one the profile was fitted on: a guard against
+measuring the wrong thing, not a speed test (the shape, within 25% once scaled, is the test).
+Seen here: idle, a 512-token prefill took 12.7 ms one hour and 10.8 ms the next (the machines
+are shared VMs); on 2026-11-27 a quiet machine gave factors of 1.62 and 1.71 and a loaded one
+1.74, against a bound of 1.67 then, with the shape within 6% each time."""
 
 
 def _fit(predicted: dict[str, float], measured: dict[str, float]) -> tuple[float, dict[str, float]]:
