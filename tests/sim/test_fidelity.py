@@ -120,8 +120,7 @@ SCALE_BOUNDS = (0.5, 2.5)
 measuring the wrong thing, not a speed test (the shape, within 25% once scaled, is the test).
 Seen here: idle, a 512-token prefill took 12.7 ms one hour and 10.8 ms the next (the machines
 are shared VMs); on 2026-11-27 a quiet machine gave a factor of 1.62, and with other tests
-beside it 1.71 and
-1.74, against a bound of 1.67 then, with the shape within 6% each time."""
+beside it 1.71 and 1.74, against a bound of 1.67 then, with the shape within 6% each time."""
 
 
 def _fit(predicted: dict[str, float], measured: dict[str, float]) -> tuple[float, dict[str, float]]:
