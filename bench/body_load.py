@@ -57,21 +57,28 @@ def post_raw(port: int, body: bytes, chunked: bool, out: dict[str, Any]) -> None
     out["seconds"] = time.monotonic() - start
 
 
+def start_stack(procs: Procs, replicas: int, time_scale: float) -> Stack:
+    """Simulated replicas (``time_scale`` slows their prefill), the picker and Envoy as the
+    default config renders it, routable; ``procs`` owns every process (the caller stops it)."""
+    ports = [free_port() for _ in range(replicas)]
+    for i, port in enumerate(ports):
+        args = ["--port", str(port), "--model", "m", "--time-scale", str(time_scale)]
+        procs.start(f"replica-{i}", [PY, "-m", "replica.sim", *args])
+    st = Stack(procs, ports)
+    st.start_picker()
+    for port in ports:
+        wait_port(port, 60, procs=procs)
+    st.start_envoy()
+    st.wait_routable({"model": "m", "prompt": "warm", "max_tokens": 1})
+    return st
+
+
 def run(chunked: bool, size: int, replicas: int, smalls: int, time_scale: float) -> dict[str, Any]:
     """One stack: the long prompt, then ``smalls`` small requests 4 at a time once it is routed."""
     with tempfile.TemporaryDirectory() as tmp:
         procs = Procs(pathlib.Path(tmp))
-        ports = [free_port() for _ in range(replicas)]
-        for i, port in enumerate(ports):
-            args = ["--port", str(port), "--model", "m", "--time-scale", str(time_scale)]
-            procs.start(f"replica-{i}", [PY, "-m", "replica.sim", *args])
-        st = Stack(procs, ports)
         try:
-            st.start_picker()
-            for port in ports:
-                wait_port(port, 60, procs=procs)
-            st.start_envoy()
-            st.wait_routable({"model": "m", "prompt": "warm", "max_tokens": 1})
+            st = start_stack(procs, replicas, time_scale)
             long: dict[str, Any] = {}
             sender = threading.Thread(target=post_raw, args=(st.envoy_port, long_body(size), chunked, long))
             sender.start()

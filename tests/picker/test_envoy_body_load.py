@@ -15,8 +15,8 @@ from typing import Any
 import orjson
 import pytest
 
-from bench.body_load import WORDS, long_body, post_raw
-from kvlaunch import PY, Procs, Stack, free_port, http, post_json, wait_port
+from bench.body_load import WORDS, long_body, post_raw, start_stack
+from kvlaunch import Procs, Stack, http, post_json
 
 pytestmark = pytest.mark.envoy
 
@@ -38,17 +38,8 @@ def test_a_long_streamed_prompt_is_load_while_it_prefills_and_small_requests_rou
     """Each long prompt's prefill lasts several seconds on the simulator (``time_scale``); before
     the fix the picker ended its accounting as soon as it was routed."""
     procs = Procs(tmp_path)
-    ports = [free_port() for _ in range(3)]
-    for i, port in enumerate(ports):
-        sim = [PY, "-m", "replica.sim", "--port", str(port), "--model", "m", "--time-scale", str(time_scale)]
-        procs.start(f"replica-{i}", sim)
-    st = Stack(procs, ports)
     try:
-        st.start_picker()
-        for port in ports:
-            wait_port(port, 60, procs=procs)
-        st.start_envoy()
-        st.wait_routable({"model": "m", "prompt": "warm", "max_tokens": 1})
+        st = start_stack(procs, 3, time_scale)
         st.wait_in_flight_zero()
         long: dict[str, Any] = {}
         sender = threading.Thread(target=post_raw, args=(st.envoy_port, long_body(size), chunked, long))
