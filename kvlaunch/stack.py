@@ -15,11 +15,14 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import secrets
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from picker.serving.tls import CERT, LocalPki, local_pki
 
 from .procs import ENVOY, PY, ROOT, Procs, free_port, http, post_json, wait_port
 
@@ -47,6 +50,27 @@ class Stack:
     root: pathlib.Path = ROOT
     """The source tree whose ``deploy/envoy/render.py`` renders Envoy's config (another tree's,
     to run its picker with its own Envoy config beside this one's)."""
+    mtls: bool = True
+    """The picker requires a client certificate (``--client-ca-path``) and Envoy's rendered
+    config presents one: a throwaway CA and both certificates made at the picker's first start
+    under ``run_dir/pki`` (:func:`picker.serving.tls.local_pki`). Not for a plaintext picker
+    (``--secure-serving false``), nor a ``root`` tree that predates mTLS; False: TLS as GIE's EPP
+    serves it, with no client certificate (a config given whole, such as GIE's, presents none)."""
+    pki: LocalPki | None = field(default=None, init=False)
+    """The certificates, once made; ``None`` while the picker runs without mTLS."""
+    debug_token: str = field(default="", init=False)
+    """The debug API's bearer token (``--debug-token-file``), once the picker serves it."""
+
+    @property
+    def debug_headers(self) -> dict[str, str]:
+        """The header the debug API requires (``Authorization: Bearer <token>``)."""
+        return {"authorization": f"Bearer {self.debug_token}"}
+
+    @property
+    def client_cert_args(self) -> list[str]:
+        """``render.py`` arguments that make Envoy present the client certificate the picker
+        requires (none when it requires none)."""
+        return ["--client-cert-dir", str(self.pki.gateway)] if self.pki is not None else []
 
     @property
     def url(self) -> str:
@@ -80,10 +104,35 @@ class Stack:
         if debug:
             self.debug_port = self.debug_port or free_port()
             args += ["--enable-debug-api", "--debug-port", str(self.debug_port)]
+            if _supports(self.root / "picker" / "__main__.py", "--debug-token-file"):
+                args += ["--debug-token-file", str(self._token_file())]
+        self.pki = None
+        if (
+            self.mtls
+            and not _plaintext(extra)
+            and _supports(self.root / "picker" / "__main__.py", "--client-ca-path")
+        ):
+            self.pki = self._local_pki()
+            args += ["--cert-path", str(self.pki.picker), "--client-ca-path", str(self.pki.ca)]
         proc = self.procs.start("picker", [*args, *extra], env)
         for port in (self.metrics_port, self.grpc_port):
             wait_port(port, procs=self.procs, proc=proc)
         return proc
+
+    def _local_pki(self) -> LocalPki:
+        """The stack's certificates, made once (a restarted picker keeps them: Envoy trusts them)."""
+        root = self.procs.run_dir / "pki"
+        if (root / "gateway" / CERT).exists():
+            return LocalPki(root / "picker", root / "gateway")
+        return local_pki(root)
+
+    def _token_file(self) -> pathlib.Path:
+        path = self.procs.run_dir / "debug-token"
+        if not path.exists():
+            path.write_text(secrets.token_urlsafe(24))
+            path.chmod(0o600)
+        self.debug_token = path.read_text().strip()
+        return path
 
     def start_upstreams(self, *extra: str) -> subprocess.Popen[bytes]:
         """``kvlaunch.upstream`` (fake model servers that say which port served) on ``upstreams``."""
@@ -101,6 +150,7 @@ class Stack:
         if self.listen_host != "0.0.0.0":  # a tree's renderer from before the flag binds 0.0.0.0
             cmd += ["--listen-address", self.listen_host]
         cmd += ["--admin-port", str(self.admin_port), "--picker", f"127.0.0.1:{self.grpc_port}", "-o", "-"]
+        cmd += self.client_cert_args
         # its own session: a Ctrl-C is make run's to handle, not a traceback of the renderer's
         done = subprocess.run(
             [*cmd, *render_args], capture_output=True, cwd=self.root, start_new_session=True
@@ -125,7 +175,9 @@ class Stack:
 
     def endpoints(self) -> dict[str, Any]:
         """The picker's ``/debug/endpoints`` (needs ``debug=True``)."""
-        _, body, _ = http("GET", f"http://127.0.0.1:{self.debug_port}/debug/endpoints")
+        _, body, _ = http(
+            "GET", f"http://127.0.0.1:{self.debug_port}/debug/endpoints", headers=self.debug_headers
+        )
         return dict(json.loads(body))
 
     def wait_in_flight_zero(self, timeout: float = 10.0) -> dict[str, Any]:
@@ -156,6 +208,23 @@ class Stack:
             f"stack never became routable: {last}\n{self.procs.log('picker')[-3000:]}\n"
             f"{self.procs.log('envoy')[-3000:]}"
         )
+
+
+def _supports(source: pathlib.Path, flag: str) -> bool:
+    """Whether ``source`` (a picker's ``__main__``, or a ``render.py``) defines ``flag``: a tree
+    from before it gets the arguments it knows."""
+    return source.exists() and f'"{flag}"' in source.read_text()
+
+
+def _plaintext(extra: tuple[str, ...]) -> bool:
+    """Whether picker arguments ``extra`` turn TLS off (``--secure-serving false``)."""
+    off = ("false", "0", "no", "off")
+    pairs = zip(extra, (*extra[1:], ""), strict=False)
+    return any(
+        (a == "--secure-serving" and v.lower() in off)
+        or (a.startswith("--secure-serving=") and a.split("=", 1)[1].lower() in off)
+        for a, v in pairs
+    )
 
 
 @contextlib.contextmanager

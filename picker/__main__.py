@@ -26,6 +26,7 @@ from picker.feeds.discovery.static import FileProvider, StaticProvider, parse_li
 from picker.feeds.drain import INTERVAL_S
 from picker.serving import gie_flags, workers
 from picker.serving.extproc import BUFFERED, FULL_DUPLEX, RESPONSE_HEADERS
+from picker.serving.http import read_token
 from picker.serving.server import PickerServer, ServerOptions
 from picker.serving.workers import WORKER_FLAG
 
@@ -335,7 +336,15 @@ def _tls_flags(p: argparse.ArgumentParser, so: ServerOptions, cfg: config_mod.Ro
         type=_bool,
         default=so.enable_cert_reload,
         metavar="BOOL",
-        help="re-read the certificate in --cert-path when its files change",
+        help="re-read the certificate in --cert-path (and --client-ca-path) when its files change",
+    )
+    s.add_argument(
+        "--client-ca-path",
+        default=None,
+        metavar="FILE",
+        help="PEM CA bundle: with --secure-serving, every ext_proc client (the gateway) must present "
+        "a certificate this CA signed (mTLS); a client with none or another CA's is refused at the "
+        "handshake. Health stays on the plaintext --grpc-health-port (default: none, any client)",
     )
     s.add_argument(
         "--trust-gateway-headers",
@@ -399,7 +408,20 @@ def _debug_flags(p: argparse.ArgumentParser, so: ServerOptions) -> None:
         "--enable-debug-api",
         action="store_true",
         help="serve /debug/explain and /debug/endpoints on --debug-port (they reveal which "
-        "prefixes each endpoint served recently: keep them private)",
+        "prefixes each endpoint served recently: keep them private); needs --debug-token-file",
+    )
+    s.add_argument(
+        "--debug-token-file",
+        default=None,
+        metavar="FILE",
+        help="file holding the bearer token every debug API request must carry "
+        "(Authorization: Bearer <token>; others get 401)",
+    )
+    s.add_argument(
+        "--metrics-token-file",
+        default=None,
+        metavar="FILE",
+        help="file holding a bearer token /metrics requests must carry (default: none, /metrics is open)",
     )
     s.add_argument(
         "--debug-port", type=int, default=so.debug_port, metavar="PORT", help="TCP port of the debug HTTP API"
@@ -546,8 +568,11 @@ def _server_options(args: argparse.Namespace) -> ServerOptions:
         secure_serving=args.secure_serving,
         cert_path=args.cert_path,
         enable_cert_reload=args.enable_cert_reload,
+        client_ca_path=_client_ca(args),
         default_body_mode=BODY_MODES[args.body_mode],
         enable_debug_api=args.enable_debug_api,
+        debug_token=_debug_token(args),
+        metrics_token=read_token(args.metrics_token_file) if args.metrics_token_file else None,
         debug_port=args.debug_port,
         debug_bind_address=args.debug_bind_address,
         enable_explain_grpc=args.enable_explain_grpc,
@@ -558,6 +583,22 @@ def _server_options(args: argparse.Namespace) -> ServerOptions:
         message_interval_s=args.message_interval,
         **_peer_options(args),
     )
+
+
+def _debug_token(args: argparse.Namespace) -> bytes | None:
+    if not args.enable_debug_api:
+        return None
+    if not args.debug_token_file:
+        raise ValueError("--enable-debug-api needs --debug-token-file (the API answers only a bearer token)")
+    return read_token(args.debug_token_file)
+
+
+def _client_ca(args: argparse.Namespace) -> str | None:
+    if args.client_ca_path and not args.secure_serving:
+        raise ValueError("--client-ca-path needs --secure-serving (mTLS is TLS with a client certificate)")
+    if args.client_ca_path and not os.path.isfile(args.client_ca_path):
+        raise ValueError(f"--client-ca-path {args.client_ca_path}: no such file")
+    return str(args.client_ca_path) if args.client_ca_path else None
 
 
 def _peer_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -382,7 +382,30 @@ def _picker_failover(health_interval: str) -> dict[str, Any]:
     }
 
 
-def _picker_cluster(pickers: list[str], tls: bool, health_interval: str) -> dict[str, Any]:
+def _picker_tls(client_cert_dir: str) -> dict[str, Any]:
+    """The ext_proc cluster's TLS. With ``client_cert_dir`` (mTLS, the picker's
+    ``--client-ca-path``): Envoy presents ``tls.crt``/``tls.key`` from it and accepts only a picker
+    certificate that chains to its ``ca.crt`` (a Kubernetes TLS Secret's layout). Envoy reads the
+    files at start: a rotated certificate takes effect when Envoy restarts."""
+    common: dict[str, Any] = {"alpn_protocols": ["h2"]}
+    if client_cert_dir:
+        d = client_cert_dir.rstrip("/")
+        common["tls_certificates"] = [
+            {"certificate_chain": {"filename": f"{d}/tls.crt"}, "private_key": {"filename": f"{d}/tls.key"}}
+        ]
+        common["validation_context"] = {"trusted_ca": {"filename": f"{d}/ca.crt"}}
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": _T + "transport_sockets.tls.v3.UpstreamTlsContext",
+            "common_tls_context": common,
+        },
+    }
+
+
+def _picker_cluster(
+    pickers: list[str], tls: bool, health_interval: str, client_cert_dir: str = ""
+) -> dict[str, Any]:
     """The ext_proc cluster: HTTP/2 with Envoy's default codec (nghttp2)."""
     c: dict[str, Any] = {
         "name": "kvpick_picker",
@@ -399,13 +422,7 @@ def _picker_cluster(pickers: list[str], tls: bool, health_interval: str) -> dict
         "load_assignment": _load_assignment("kvpick_picker", pickers),
     }
     if tls:
-        c["transport_socket"] = {
-            "name": "envoy.transport_sockets.tls",
-            "typed_config": {
-                "@type": _T + "transport_sockets.tls.v3.UpstreamTlsContext",
-                "common_tls_context": {"alpn_protocols": ["h2"]},
-            },
-        }
+        c["transport_socket"] = _picker_tls(client_cert_dir)
     return c
 
 
@@ -817,6 +834,7 @@ def render(
     listen_address: str = "0.0.0.0",
     allowed_paths: list[str] | tuple[str, ...] | None = INFERENCE_PATHS,
     max_request_headers: int = MAX_REQUEST_HEADERS,
+    client_cert_dir: str = "",
 ) -> dict[str, Any]:
     """The whole Envoy bootstrap. ``body_mode`` is the request body's; ``picker`` is one or more
     comma-separated ext_proc addresses; see the module doc."""
@@ -869,7 +887,9 @@ def render(
     if body_mode == "BUFFERED":  # a buffered body is held whole in Envoy: allow the largest one
         buffered = min(stream_bodies_over, max_body_bytes) if stream_bodies_over > 0 else max_body_bytes
         listener["per_connection_buffer_limit_bytes"] = buffered + 64 * 1024
-    clusters = [_picker_cluster(pickers, tls, picker_health_interval)]
+    if client_cert_dir and not tls:
+        raise ValueError("--client-cert-dir needs TLS to the picker (drop --plaintext)")
+    clusters = [_picker_cluster(pickers, tls, picker_health_interval, client_cert_dir)]
     clusters.append(_pool_cluster(endpoints or []) if upstream == "pool" else _original_dst_cluster())
     if failure_open and upstream == "original-dst":
         clusters.append(_fallback_cluster(fallback or []))
@@ -904,6 +924,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--plaintext", action="store_true", help="talk to the picker without TLS (--secure-serving=false)"
+    )
+    p.add_argument(
+        "--client-cert-dir",
+        default="",
+        help="mTLS to the picker (its --client-ca-path): a directory holding tls.crt, tls.key (the "
+        "certificate Envoy presents) and ca.crt (the CA the picker's certificate must chain to), as a "
+        "mounted Kubernetes TLS Secret does; default: none (TLS without a client certificate)",
     )
     p.add_argument(
         "--failure-mode",
@@ -1004,6 +1031,7 @@ def main(argv: list[str] | None = None) -> int:
             listen_address=a.listen_address,
             allowed_paths=_split(a.allowed_paths),
             max_request_headers=a.max_request_headers,
+            client_cert_dir=a.client_cert_dir,
         )
     except ValueError as err:
         parser().error(str(err))

@@ -52,3 +52,11 @@ class InternalError(PickerError):
 
     status = 500
     kind = "internal_error"
+
+
+class Unauthorized(PickerError):
+    """A debug or metrics request without the configured bearer token (``--debug-token-file``,
+    ``--metrics-token-file``)."""
+
+    status = 401
+    kind = "unauthorized"

@@ -1,10 +1,12 @@
 """The picker's HTTP faces.
 
-- :func:`metrics_app` (``--metrics-port``, 9090): Prometheus ``GET /metrics`` only.
-- :func:`debug_app` (``--debug-port``, 9091, only with ``--enable-debug-api``; bound to
-  127.0.0.1 unless ``--debug-bind-address`` says otherwise). It reveals, per endpoint, whether a
-  guessed prompt prefix was sent there recently — a cross-tenant side channel — so it is off by
-  default and never shares the metrics port:
+- :func:`metrics_app` (``--metrics-port``, 9090): Prometheus ``GET /metrics`` only; with
+  ``--metrics-token-file`` it needs ``Authorization: Bearer <token>``.
+- :func:`debug_app` (``--debug-port``, 9091, only with ``--enable-debug-api``, which needs
+  ``--debug-token-file``; bound to 127.0.0.1 unless ``--debug-bind-address`` says otherwise). It
+  reveals, per endpoint, whether a guessed prompt prefix was sent there recently — a cross-tenant
+  side channel — so it is off by default, never shares the metrics port, and answers only a request
+  carrying ``Authorization: Bearer <token>``:
 
   - ``POST /debug/explain?path=/v1/completions[&policy=NAME]`` with an OpenAI body: per-endpoint
     matched blocks, scores and TTFT estimates, without sending anything.
@@ -13,12 +15,15 @@
 
 from __future__ import annotations
 
+import hmac
+import pathlib
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from picker.core.errors import PickerError
+from picker.core.errors import PickerError, Unauthorized
 from picker.core.router import Router
 from picker.serving.director import Director
 from picker.serving.errors import CONTENT_TYPE
@@ -38,18 +43,54 @@ def _precise_state(router: Router, key: str) -> dict[str, Any]:
     }
 
 
-def metrics_app(router: Router, telemetry: Telemetry) -> web.Application:
+def read_token(path: str) -> bytes:
+    """The bearer token in file ``path`` (a mounted Secret's key), surrounding whitespace
+    stripped; ValueError if it is empty."""
+    token = pathlib.Path(path).read_bytes().strip()
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return token
+
+
+def _error(err: PickerError) -> web.Response:
+    e = encode_error(err)
+    return web.Response(body=e.body, status=e.status, content_type=CONTENT_TYPE)
+
+
+def bearer_auth(token: bytes) -> Middleware:
+    """Middleware: every request needs ``Authorization: Bearer <token>``, compared in constant
+    time; otherwise a JSON 401 (``WWW-Authenticate: Bearer``) and the handler never runs."""
+    expected = b"Bearer " + token
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, expected):
+            resp = _error(Unauthorized("missing or wrong bearer token"))
+            resp.headers["WWW-Authenticate"] = "Bearer"
+            return resp
+        return await handler(request)
+
+    return auth
+
+
+def _middlewares(token: bytes | None) -> list[Middleware]:
+    return [bearer_auth(token)] if token else []
+
+
+def metrics_app(router: Router, telemetry: Telemetry, token: bytes | None = None) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
         telemetry.refresh(router.pool, router.index)
         body = generate_latest(telemetry.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app = web.Application(client_max_size=1024)
+    app = web.Application(client_max_size=1024, middlewares=_middlewares(token))
     app.router.add_get("/metrics", metrics)
     return app
 
 
-def debug_app(director: Director) -> web.Application:
+def debug_app(director: Director, token: bytes) -> web.Application:
+    """The debug API; ``token``: the bearer token every request must carry."""
     router = director.router
 
     async def explain(req: web.Request) -> web.Response:
@@ -63,8 +104,7 @@ def debug_app(director: Director) -> web.Application:
             )
             return web.json_response(doc)
         except PickerError as err:
-            e = encode_error(err)
-            return web.Response(body=e.body, status=e.status, content_type=CONTENT_TYPE)
+            return _error(err)
 
     async def endpoints(_: web.Request) -> web.Response:
         return web.json_response(
@@ -90,7 +130,9 @@ def debug_app(director: Director) -> web.Application:
             }
         )
 
-    app = web.Application(client_max_size=router.cfg.max_body_bytes)
+    if not token:
+        raise ValueError("the debug API needs a bearer token (--debug-token-file)")
+    app = web.Application(client_max_size=router.cfg.max_body_bytes, middlewares=[bearer_auth(token)])
     app.router.add_post("/debug/explain", explain)
     app.router.add_get("/debug/endpoints", endpoints)
     return app

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from aiohttp import web
@@ -66,9 +66,16 @@ class ServerOptions:
     secure_serving: bool = True
     cert_path: str | None = None
     enable_cert_reload: bool = False
+    client_ca_path: str | None = None
+    """A PEM CA bundle: ext_proc clients must present a certificate it signed (mTLS,
+    :mod:`picker.serving.tls`); None: any client may connect."""
     default_body_mode: int = FULL_DUPLEX
     enable_debug_api: bool = False
-    """Serve ``/debug/explain`` and ``/debug/endpoints`` on ``debug_port``."""
+    """Serve ``/debug/explain`` and ``/debug/endpoints`` on ``debug_port`` (needs ``debug_token``)."""
+    debug_token: bytes | None = field(default=None, repr=False)
+    """The bearer token every debug API request must carry."""
+    metrics_token: bytes | None = field(default=None, repr=False)
+    """The bearer token ``/metrics`` requests must carry; None: open."""
     debug_port: int = 9091
     debug_bind_address: str = "127.0.0.1"
     enable_explain_grpc: bool = False
@@ -192,7 +199,10 @@ class PickerServer:
         addr = f"{self.opts.host}:{self.opts.grpc_port}"
         if self.opts.secure_serving:
             server.add_secure_port(
-                addr, server_credentials(self.opts.cert_path, self.opts.enable_cert_reload)
+                addr,
+                server_credentials(
+                    self.opts.cert_path, self.opts.enable_cert_reload, self.opts.client_ca_path
+                ),
             )
         else:
             server.add_insecure_port(addr)
@@ -200,9 +210,10 @@ class PickerServer:
 
     async def _http_sites(self) -> list[web.AppRunner]:
         runners: list[web.AppRunner] = []
-        faces = [(metrics_app(self.router, self.telemetry), self.opts.host, self.opts.metrics_port)]
-        if self.opts.enable_debug_api:
-            faces.append((debug_app(self.director), self.opts.debug_bind_address, self.opts.debug_port))
+        o = self.opts
+        faces = [(metrics_app(self.router, self.telemetry, o.metrics_token), o.host, o.metrics_port)]
+        if o.enable_debug_api:
+            faces.append((debug_app(self.director, o.debug_token or b""), o.debug_bind_address, o.debug_port))
         for app, host, port in faces:
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
@@ -292,7 +303,7 @@ class PickerServer:
             "picker serving ext_proc on :%d (%s), health :%d, metrics :%d, debug %s, explain gRPC %s, "
             "max streams %s, policy %s",
             o.grpc_port,
-            "TLS" if o.secure_serving else "plaintext",
+            ("mTLS" if o.client_ca_path else "TLS") if o.secure_serving else "plaintext",
             o.grpc_health_port,
             o.metrics_port,
             f"{o.debug_bind_address}:{o.debug_port}" if o.enable_debug_api else "off",
