@@ -254,7 +254,10 @@ def _kvpick(
     peers = [f"tcp://127.0.0.1:{free_port()}" for _ in range(pickers)] if pickers > 1 else []
     stacks = [
         Stack(
-            Procs(d / f"picker-{i}" if pickers > 1 else d), ports, envoy_concurrency=layout.envoy_concurrency
+            Procs(d / f"picker-{i}" if pickers > 1 else d),
+            ports,
+            envoy_concurrency=layout.envoy_concurrency,
+            pki_dir=d / "pki",  # one CA: Envoy presents one certificate to every picker
         )
         for i in range(pickers)
     ]

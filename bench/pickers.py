@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass
 import aiohttp
 
 from kvlaunch import ENVOY, PY, ROOT, Procs, free_port, http, wait_port
+from kvlaunch.stack import supports
+from picker.serving.tls import local_pki
 
 from . import mooncake_trace
 from .datapath import cpu_seconds
@@ -129,6 +131,13 @@ def start_pickers(procs: Procs, n: int, fleet: Fleet, tag: str, routed: int = 0,
     peers = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
     grpc = [free_port() for _ in range(n)]
     pids = []
+    tree = pathlib.Path(source) if source else ROOT
+    pki = (
+        local_pki(procs.run_dir / f"pki-{tag}")
+        if supports(tree / "picker" / "__main__.py", "--client-ca-path")
+        else None
+    )
+    mtls = ["--cert-path", str(pki.picker), "--client-ca-path", str(pki.ca)] if pki else []
     for i in range(n):
         args = [
             "--endpoints",
@@ -141,6 +150,7 @@ def start_pickers(procs: Procs, n: int, fleet: Fleet, tag: str, routed: int = 0,
         args += ["--host", "127.0.0.1", "--grpc-port", str(grpc[i]), "--grpc-health-port", str(free_port())]
         args += ["--metrics-port", str(free_port()), "--log-level", "warning", "--drain-timeout", "1"]
         args += ["--peer-bind", peers[i], "--peers", ",".join(p for j, p in enumerate(peers) if j != i)]
+        args += mtls
         proc = procs.start(f"picker-{tag}-{i}", [PY, "-m", "picker", *args], env=env)
         wait_port(grpc[i], proc=proc, timeout=60)
         pids.append(proc.pid)
@@ -151,6 +161,7 @@ def start_pickers(procs: Procs, n: int, fleet: Fleet, tag: str, routed: int = 0,
         str(free_port()),
         "--picker",
         ",".join(f"127.0.0.1:{g}" for g in grpc[:routed]),
+        *(["--client-cert-dir", str(pki.gateway)] if pki else []),
     ]
     cfg = procs.run_dir / f"envoy-{tag}.yaml"
     cfg.write_text(subprocess.run(render, check=True, capture_output=True, text=True).stdout)

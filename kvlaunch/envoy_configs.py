@@ -33,26 +33,30 @@ def local_args(name: str, upstreams: list[int]) -> list[str]:
     return [eps if a == CONTRACT else a for a in SHIPPED[name]]
 
 
-def kind_config(picker: str, listen_port: int, admin_port: int) -> dict[str, Any]:
+def kind_config(picker: str, listen_port: int, admin_port: int, client_cert_dir: str = "") -> dict[str, Any]:
     spec = importlib.util.spec_from_file_location(
         "envoy_manifest", ROOT / "deploy" / "kind" / "envoy_manifest.py"
     )
     assert spec is not None and spec.loader is not None
     manifest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(manifest)
-    cfg: dict[str, Any] = manifest.envoy_config(picker, tls=True, listen_port=listen_port)
+    cfg: dict[str, Any] = manifest.envoy_config(
+        picker, tls=True, listen_port=listen_port, client_cert_dir=client_cert_dir
+    )
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
     return cfg
 
 
-def kind_config_text(picker_port: int, listen_port: int, admin_port: int) -> str:
-    return yaml.safe_dump(kind_config(f"localhost:{picker_port}", listen_port, admin_port), sort_keys=False)
+def kind_config_text(picker_port: int, listen_port: int, admin_port: int, client_cert_dir: str = "") -> str:
+    cfg = kind_config(f"localhost:{picker_port}", listen_port, admin_port, client_cert_dir)
+    return yaml.safe_dump(cfg, sort_keys=False)
 
 
 def start_envoy(st: Stack, name: str, *extra: str) -> None:
     """Start Envoy on ``st`` with shipped config ``name`` (its picker must be up)."""
     if name == KIND:
         st.envoy_port = st.envoy_port or free_port()
-        st.start_envoy(config=kind_config_text(st.grpc_port, st.envoy_port, free_port()))
+        cert_dir = str(st.pki.gateway) if st.pki is not None else ""  # as the chart's Secret mounted
+        st.start_envoy(config=kind_config_text(st.grpc_port, st.envoy_port, free_port(), cert_dir))
     else:
         st.start_envoy(*local_args(name, st.upstreams), *extra)

@@ -219,7 +219,9 @@ kvpick local stack is up: Envoy {args.listen_host}:{args.port} → picker :{args
   curl -s http://127.0.0.1:{args.port}/v1/completions -H 'content-type: application/json' \\
        -d '{{"model": "{args.model}", "prompt": "You are a helpful assistant. Hello!", "max_tokens": 16}}'
 
-  explain a pick:  curl -s 'http://127.0.0.1:{args.metrics_port + 1}/debug/explain?path=/v1/completions' -d '{{"model": "{args.model}", "prompt": "..."}}'
+  explain a pick:  curl -s 'http://127.0.0.1:{args.metrics_port + 1}/debug/explain?path=/v1/completions' \\
+       -H "authorization: Bearer $(cat {args.run_dir}/debug-token)" -d '{{"model": "{args.model}", "prompt": "..."}}'
+  Envoy → picker is mTLS (a throwaway CA in {args.run_dir}/pki); the debug API needs the bearer token above.
   picker metrics:  http://127.0.0.1:{args.metrics_port}/metrics      logs: {args.run_dir}/
 Ctrl-C stops everything.
 """

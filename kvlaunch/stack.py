@@ -16,13 +16,16 @@ import contextlib
 import json
 import pathlib
 import secrets
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from picker.serving.tls import CERT, LocalPki, local_pki
+import grpc
+
+from picker.serving.tls import CERT, KEY, LocalPki, local_pki
 
 from .procs import ENVOY, PY, ROOT, Procs, free_port, http, post_json, wait_port
 
@@ -53,9 +56,13 @@ class Stack:
     mtls: bool = True
     """The picker requires a client certificate (``--client-ca-path``) and Envoy's rendered
     config presents one: a throwaway CA and both certificates made at the picker's first start
-    under ``run_dir/pki`` (:func:`picker.serving.tls.local_pki`). Not for a plaintext picker
-    (``--secure-serving false``), nor a ``root`` tree that predates mTLS; False: TLS as GIE's EPP
-    serves it, with no client certificate (a config given whole, such as GIE's, presents none)."""
+    under ``pki_dir`` (:func:`picker.serving.tls.local_pki`). Not for a plaintext picker
+    (``--secure-serving false``), nor where the picker's or the renderer's tree predates mTLS;
+    False: TLS as GIE's EPP serves it, with no client certificate (a config given whole, such as
+    GIE's, presents none)."""
+    pki_dir: pathlib.Path | None = None
+    """Where the certificates live (default ``run_dir/pki``): stacks whose pickers sit behind one
+    Envoy share it."""
     pki: LocalPki | None = field(default=None, init=False)
     """The certificates, once made; ``None`` while the picker runs without mTLS."""
     debug_token: str = field(default="", init=False)
@@ -101,16 +108,19 @@ class Stack:
         args = [PY, *entry, "--endpoints", ",".join(eps), "--host", "127.0.0.1"]
         args += ["--grpc-port", str(self.grpc_port), "--grpc-health-port", str(self.health_port)]
         args += ["--metrics-port", str(self.metrics_port)]
+        # the tree whose picker runs: PYTHONPATH's (with PYTHONSAFEPATH), else this checkout (the cwd)
+        picker_tree = pathlib.Path((env or {}).get("PYTHONPATH") or ROOT)
         if debug:
             self.debug_port = self.debug_port or free_port()
             args += ["--enable-debug-api", "--debug-port", str(self.debug_port)]
-            if _supports(self.root / "picker" / "__main__.py", "--debug-token-file"):
+            if supports(picker_tree / "picker" / "__main__.py", "--debug-token-file"):
                 args += ["--debug-token-file", str(self._token_file())]
         self.pki = None
         if (
             self.mtls
             and not _plaintext(extra)
-            and _supports(self.root / "picker" / "__main__.py", "--client-ca-path")
+            and supports(picker_tree / "picker" / "__main__.py", "--client-ca-path")
+            and supports(self.root / "deploy" / "envoy" / "render.py", "--client-cert-dir")
         ):
             self.pki = self._local_pki()
             args += ["--cert-path", str(self.pki.picker), "--client-ca-path", str(self.pki.ca)]
@@ -119,9 +129,22 @@ class Stack:
             wait_port(port, procs=self.procs, proc=proc)
         return proc
 
+    def grpc_credentials(self) -> grpc.ChannelCredentials:
+        """Credentials for a direct gRPC channel to the picker's ext_proc port, as the gateway
+        connects: the gateway's certificate and the CA under mTLS, else trusting the picker's
+        (self-signed) certificate as served."""
+        if self.pki is None:
+            pem = ssl.get_server_certificate(("127.0.0.1", self.grpc_port)).encode()
+            return grpc.ssl_channel_credentials(root_certificates=pem)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.pki.ca.read_bytes(),
+            private_key=(self.pki.gateway / KEY).read_bytes(),
+            certificate_chain=(self.pki.gateway / CERT).read_bytes(),
+        )
+
     def _local_pki(self) -> LocalPki:
         """The stack's certificates, made once (a restarted picker keeps them: Envoy trusts them)."""
-        root = self.procs.run_dir / "pki"
+        root = self.pki_dir or self.procs.run_dir / "pki"
         if (root / "gateway" / CERT).exists():
             return LocalPki(root / "picker", root / "gateway")
         return local_pki(root)
@@ -210,7 +233,7 @@ class Stack:
         )
 
 
-def _supports(source: pathlib.Path, flag: str) -> bool:
+def supports(source: pathlib.Path, flag: str) -> bool:
     """Whether ``source`` (a picker's ``__main__``, or a ``render.py``) defines ``flag``: a tree
     from before it gets the arguments it knows."""
     return source.exists() and f'"{flag}"' in source.read_text()

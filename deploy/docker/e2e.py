@@ -58,6 +58,19 @@ def _load(name: str, path: pathlib.Path) -> ModuleType:
 
 checks = _load("kvpick_e2e_checks", ROOT / "deploy" / "kind" / "checks.py")
 render = _load("kvpick_envoy_render", ROOT / "deploy" / "envoy" / "render.py")
+tls = _load("kvpick_tls", ROOT / "picker" / "serving" / "tls.py")
+PICKER_TLS, GATEWAY_TLS = "/etc/kvpick/tls", "/etc/kvpick/gateway-tls"
+"""Where the certificates are mounted, as the chart mounts its Secrets (mTLS, its default)."""
+
+
+def make_pki(stack: Stack) -> Any:
+    """A throwaway CA, the picker's and Envoy's certificates (the chart's generated Secrets),
+    readable by the containers' user."""
+    pki = tls.local_pki(stack.workdir / f"{stack.name}-pki")
+    for d in (pki.picker, pki.gateway):
+        for f in d.iterdir():
+            f.chmod(0o644)
+    return pki
 
 
 def docker(*args: str, check: bool = True) -> str:
@@ -220,7 +233,7 @@ def start_vllms(stack: Stack, n: int, model: pathlib.Path) -> dict[str, str]:
     return out
 
 
-def start_picker(stack: Stack, endpoints: list[str]) -> str:
+def start_picker(stack: Stack, endpoints: list[str], pki: Any) -> str:
     """The chart's picker Deployment: its args, its config (values.yaml picker.config, as the
     ConfigMap renders it), static endpoints in place of the InferencePool."""
     import yaml
@@ -256,19 +269,23 @@ def start_picker(stack: Stack, endpoints: list[str]) -> str:
         # override_host gateway reads; render.py's ORIGINAL_DST config takes one address and answers
         # 503 to a list ("No downstream connection or no original_dst"). One destination here.
         "--fallbacks=0",
+        f"--cert-path={PICKER_TLS}",
+        f"--client-ca-path={PICKER_TLS}/ca.crt",
+        "--enable-cert-reload=true",
     ]
-    opts = ("-v", f"{config}:/etc/kvpick/config.yaml:ro")
+    opts = ("-v", f"{config}:/etc/kvpick/config.yaml:ro", "-v", f"{pki.picker}:{PICKER_TLS}:ro")
     return stack.run("picker", "picker", *args, opts=opts, read_only=True)
 
 
-def start_envoy(stack: Stack, picker_ip: str, tls: bool) -> str:
+def start_envoy(stack: Stack, picker_ip: str, pki: Any) -> str:
+    """Envoy with render.py's default config, presenting the gateway's client certificate."""
     cfg: dict[str, Any] = render.render(
-        listen_port=ENVOY_PORT, picker=f"{picker_ip}:{PICKER_PORTS['grpc']}", tls=tls
+        listen_port=ENVOY_PORT, picker=f"{picker_ip}:{PICKER_PORTS['grpc']}", client_cert_dir=GATEWAY_TLS
     )
     path = stack.workdir / f"{stack.name}-envoy.yaml"
     path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
     path.chmod(0o644)
-    opts = ("-v", f"{path}:/etc/envoy/envoy.yaml:ro")
+    opts = ("-v", f"{path}:/etc/envoy/envoy.yaml:ro", "-v", f"{pki.gateway}:{GATEWAY_TLS}:ro")
     return stack.run(
         "envoy", "envoy", "-c", "/etc/envoy/envoy.yaml", "--log-level", "warn", opts=opts, read_only=True
     )
@@ -315,8 +332,9 @@ def phase(name: str, images: dict[str, str], workdir: pathlib.Path, args: argpar
                 f"http://{ip}:{REPLICA_PORT}/health", 200, ready_s, stack, c
             )  # the chart's readinessProbe
         print(f"[{name}] replicas ready in {time.monotonic() - start:.0f}s: {reps}")
-        picker_ip = start_picker(stack, [f"{ip}:{REPLICA_PORT}" for ip in reps.values()])
-        envoy_ip = start_envoy(stack, picker_ip, tls=True)
+        pki = make_pki(stack)
+        picker_ip = start_picker(stack, [f"{ip}:{REPLICA_PORT}" for ip in reps.values()], pki)
+        envoy_ip = start_envoy(stack, picker_ip, pki)
         health = f"{picker_ip}:{PICKER_PORTS['grpc-health']}"
         checks.wait_for("the picker's readiness", lambda: _serving(health), 60.0)
         wait_http(

@@ -84,7 +84,7 @@ helm upgrade --install "$RELEASE" charts/kvpick -n "$NAMESPACE" --wait --timeout
 # The headless peers Service: its name resolves to every picker pod, so Envoy health-checks,
 # ejects and retries each picker on its own (a ClusterIP name would be one host to Envoy).
 "$PYTHON" deploy/kind/envoy_manifest.py --namespace "$NAMESPACE" --image "$ENVOY_IMAGE" \
-  --gateway-name "$RELEASE-gateway" \
+  --gateway-name "$RELEASE-gateway" --client-secret "$RELEASE-gateway-client-tls" \
   --picker "$RELEASE-picker-peers.$NAMESPACE.svc.cluster.local:9002" | kubectl apply -f -
 kubectl -n "$NAMESPACE" rollout status deploy/kvpick-envoy --timeout 180s
 kubectl -n "$NAMESPACE" rollout status deploy/"$RELEASE"-picker --timeout 180s

@@ -29,12 +29,18 @@ UPSTREAM_HEADER = "x-kvpick-upstream"
 GATEWAY_LABEL = "gateway.networking.k8s.io/gateway-name"
 
 
-def envoy_config(picker: str, tls: bool, listen_port: int) -> dict[str, Any]:
+CLIENT_CERT_DIR = "/etc/kvpick/gateway-tls"
+"""Where the gateway's client certificate Secret is mounted (``--client-secret``)."""
+
+
+def envoy_config(picker: str, tls: bool, listen_port: int, client_cert_dir: str = "") -> dict[str, Any]:
     spec = importlib.util.spec_from_file_location("kvpick_envoy_render", RENDER)
     assert spec is not None and spec.loader is not None, f"cannot load {RENDER}"
     render = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(render)
-    cfg: dict[str, Any] = render.render(listen_port=listen_port, picker=picker, tls=tls)
+    cfg: dict[str, Any] = render.render(
+        listen_port=listen_port, picker=picker, tls=tls, client_cert_dir=client_cert_dir
+    )
     resources = cfg["static_resources"]
     picker_cluster = next(c for c in resources["clusters"] if c["name"] == "kvpick_picker")
     picker_cluster["type"] = "STRICT_DNS"
@@ -51,13 +57,24 @@ def envoy_config(picker: str, tls: bool, listen_port: int) -> dict[str, Any]:
 
 
 def manifests(
-    namespace: str, picker: str, tls: bool, image: str, port: int, gateway_name: str = "kvpick-gateway"
+    namespace: str,
+    picker: str,
+    tls: bool,
+    image: str,
+    port: int,
+    gateway_name: str = "kvpick-gateway",
+    client_secret: str = "",
 ) -> list[dict[str, Any]]:
     """``gateway_name``: the Gateway this Envoy stands in for, on its pods' Gateway API label; the
-    chart's NetworkPolicies admit pods labelled ``<release>-gateway`` in its namespace (provider none)."""
+    chart's NetworkPolicies admit pods labelled ``<release>-gateway`` in its namespace (provider none).
+    ``client_secret``: the chart's ``<release>-gateway-client-tls`` Secret, mounted at
+    :data:`CLIENT_CERT_DIR`: Envoy presents its certificate to the picker (mTLS)."""
     labels = {"app.kubernetes.io/name": "kvpick-envoy"}
     meta = {"name": "kvpick-envoy", "namespace": namespace, "labels": labels}
-    config = json.dumps(envoy_config(picker, tls, port), indent=1)  # JSON is YAML: Envoy reads it as is
+    cert_dir = CLIENT_CERT_DIR if client_secret else ""
+    config = json.dumps(
+        envoy_config(picker, tls, port, cert_dir), indent=1
+    )  # JSON is YAML: Envoy reads it as is
     container = {
         "name": "envoy",
         "image": image,
@@ -78,13 +95,18 @@ def manifests(
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
-    pod_spec = {
+    pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": [
             {"name": "config", "configMap": {"name": "kvpick-envoy"}},
             {"name": "tmp", "emptyDir": {}},
         ],
     }
+    if client_secret:
+        container["volumeMounts"].append(
+            {"name": "client-tls", "mountPath": CLIENT_CERT_DIR, "readOnly": True}
+        )
+        pod_spec["volumes"].append({"name": "client-tls", "secret": {"secretName": client_secret}})
     return [
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {"envoy.yaml": config}},
         {
@@ -126,9 +148,21 @@ def main(argv: list[str] | None = None) -> int:
         default="kvpick-gateway",
         help="the pods' gateway.networking.k8s.io/gateway-name: <release>-gateway, which the chart admits",
     )
+    p.add_argument(
+        "--client-secret",
+        default="",
+        help="the chart's <release>-gateway-client-tls Secret: Envoy presents its certificate to the "
+        "picker (mTLS, the chart's default with provider none); default: none",
+    )
     args = p.parse_args(argv)
     docs = manifests(
-        args.namespace, args.picker, not args.plaintext, args.image, args.port, args.gateway_name
+        args.namespace,
+        args.picker,
+        not args.plaintext,
+        args.image,
+        args.port,
+        args.gateway_name,
+        args.client_secret,
     )
     sys.stdout.write("\n---\n".join(json.dumps(d, indent=1) for d in docs) + "\n")
     return 0

@@ -126,7 +126,7 @@ def test_without_response_bodies_a_stream_stays_in_flight_until_it_ends(tmp_path
 
 def test_streamed_response_through_gie_test_config(tmp_path: pathlib.Path) -> None:
     procs = Procs(tmp_path)
-    st = Stack(procs, [free_port(), free_port()])
+    st = Stack(procs, [free_port(), free_port()], mtls=False)  # GIE's config presents no client cert
     try:
         st.start_upstreams()
         st.start_picker()

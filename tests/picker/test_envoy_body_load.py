@@ -23,7 +23,7 @@ pytestmark = pytest.mark.envoy
 
 def _explain(st: Stack, doc: dict[str, Any]) -> dict[str, Any]:
     url = f"http://127.0.0.1:{st.debug_port}/debug/explain?path=/v1/completions"
-    _, body, _ = http("POST", url, orjson.dumps(doc))
+    _, body, _ = http("POST", url, orjson.dumps(doc), st.debug_headers)
     return dict(orjson.loads(body))
 
 

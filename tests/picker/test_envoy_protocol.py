@@ -32,6 +32,7 @@ def _pool_config(st: Stack, endpoints: list[int], **render: str) -> dict[str, An
         "pool",
         "--endpoints",
         ",".join(f"127.0.0.1:{p}" for p in endpoints),
+        *st.client_cert_args,
     ]
     for k, v in render.items():
         args += [f"--{k.replace('_', '-')}", v]

@@ -99,7 +99,7 @@ def test_model_rewrite_set_by_a_trusted_gateway_rewrites_the_body(tmp_path: path
         st.start_picker("--trust-gateway-headers", "true")
         st.envoy_port = free_port()
         args = ["--listen-port", str(st.envoy_port), "--admin-port", str(free_port())]
-        args += ["--picker", f"127.0.0.1:{st.grpc_port}"]
+        args += ["--picker", f"127.0.0.1:{st.grpc_port}", *st.client_cert_args]
         doc = yaml.safe_load(
             subprocess.run(
                 [PY, str(ROOT / "deploy/envoy/render.py"), *args], check=True, capture_output=True, text=True

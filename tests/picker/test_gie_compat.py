@@ -18,7 +18,7 @@ DOC = "GIE compatibility: a shared system prompt that spans several hash blocks.
 
 def test_works_behind_gie_test_envoy_config(tmp_path: pathlib.Path) -> None:
     procs = Procs(tmp_path)
-    st = Stack(procs, [free_port(), free_port()])
+    st = Stack(procs, [free_port(), free_port()], mtls=False)  # GIE's config presents no client cert
     try:
         st.start_upstreams()
         st.start_picker()  # defaults: TLS with a self-signed certificate, as GIE's EPP
@@ -97,6 +97,7 @@ def test_explain_reports_scores_and_estimates(envoy_stack: Stack) -> None:
     status, body = post_json(
         f"http://127.0.0.1:{envoy_stack.debug_port}/debug/explain?path=/v1/completions",
         {"model": "m", "prompt": DOC + " more"},
+        envoy_stack.debug_headers,
     )
     assert status == 200, body
     eps = body["endpoints"]
@@ -105,7 +106,8 @@ def test_explain_reports_scores_and_estimates(envoy_stack: Stack) -> None:
     assert eps[best]["matched_blocks"] > 0
     assert all(e["ttft_estimate_s"] > 0 for e in eps.values())
     assert eps[best]["ttft_estimate_s"] == min(e["ttft_estimate_s"] for e in eps.values())
-    status, body = post_json(f"http://127.0.0.1:{envoy_stack.debug_port}/debug/explain", {"prompt": "x"})
+    url = f"http://127.0.0.1:{envoy_stack.debug_port}/debug/explain"
+    status, body = post_json(url, {"prompt": "x"}, envoy_stack.debug_headers)
     assert status == 400
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import ssl
 
 import grpc
 import pytest
@@ -34,8 +33,7 @@ def test_grpc_explain_matches_http_explain(tmp_path: pathlib.Path) -> None:
 def _explain_both_ways(envoy_stack: Stack) -> None:
     doc = {"model": "m", "prompt": "An explainable prompt that spans a few blocks of text. " * 8}
     post_json(envoy_stack.url + "/v1/completions", doc)
-    pem = ssl.get_server_certificate(("127.0.0.1", envoy_stack.grpc_port)).encode()
-    creds = grpc.ssl_channel_credentials(root_certificates=pem)
+    creds = envoy_stack.grpc_credentials()
     opts = (("grpc.ssl_target_name_override", "kvpick-picker"),)
     with grpc.secure_channel(f"127.0.0.1:{envoy_stack.grpc_port}", creds, options=opts) as ch:
         stub = explain_pb2_grpc.ExplainStub(ch)
@@ -45,7 +43,8 @@ def _explain_both_ways(envoy_stack: Stack) -> None:
         with pytest.raises(grpc.RpcError) as err:
             stub.Explain(explain_pb2.ExplainRequest(body=b"{not json"), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    status, http_doc = post_json(f"http://127.0.0.1:{envoy_stack.debug_port}/debug/explain", doc)
+    url = f"http://127.0.0.1:{envoy_stack.debug_port}/debug/explain"
+    status, http_doc = post_json(url, doc, envoy_stack.debug_headers)
     assert status == 200
     assert list(resp.chosen) == http_doc["chosen"]
     by_key = {e.endpoint: e for e in resp.endpoints}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import pathlib
 import socket
-import ssl
 import threading
 import time
 
@@ -49,8 +48,7 @@ def test_debug_faces_are_off_by_default(tmp_path: pathlib.Path) -> None:
         assert http("POST", f"http://127.0.0.1:{st.metrics_port}/debug/explain", doc)[0] == 404
         assert http("GET", f"http://127.0.0.1:{st.metrics_port}/debug/endpoints")[0] == 404
         assert _refused("127.0.0.1", st.debug_port)
-        pem = ssl.get_server_certificate(("127.0.0.1", st.grpc_port)).encode()
-        creds = grpc.ssl_channel_credentials(root_certificates=pem)
+        creds = st.grpc_credentials()
         opts = (("grpc.ssl_target_name_override", "kvpick-picker"),)
         with grpc.secure_channel(f"127.0.0.1:{st.grpc_port}", creds, options=opts) as ch:
             with pytest.raises(grpc.RpcError) as err:
@@ -67,7 +65,8 @@ def test_debug_api_binds_loopback_only(tmp_path: pathlib.Path) -> None:
         st.start_upstreams()
         st.start_picker("--host", "0.0.0.0")  # --enable-debug-api, no --debug-bind-address
         wait_port(st.debug_port)
-        assert http("GET", f"http://127.0.0.1:{st.debug_port}/debug/endpoints")[0] == 200
+        url = f"http://127.0.0.1:{st.debug_port}/debug/endpoints"
+        assert http("GET", url, headers=st.debug_headers)[0] == 200
         addr = _non_loopback_ipv4()
         if addr is None:
             pytest.skip("this machine has no non-loopback IPv4 address to probe")

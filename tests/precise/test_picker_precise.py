@@ -39,8 +39,8 @@ def start_sim(procs: Procs, host: str, port: int, ev: int) -> None:
 def debug(st: Stack, what: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
     url = f"http://127.0.0.1:{st.debug_port}/debug/{what}"
     if body is None:
-        return dict(json.loads(http("GET", url)[1]))
-    status, doc = post_json(url + "?path=/v1/completions", body)
+        return dict(json.loads(http("GET", url, headers=st.debug_headers)[1]))
+    status, doc = post_json(url + "?path=/v1/completions", body, st.debug_headers)
     assert status == 200, doc
     return dict(doc)
 
