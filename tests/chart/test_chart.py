@@ -40,7 +40,14 @@ CRD_SCHEMAS = {
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute-v1.schema.json",
 }
 # Kinds of other projects' CRDs with no schema here: checked for shape by the tests below.
-UNCHECKED = {"ServiceMonitor", "DestinationRule", "HealthCheckPolicy", "GCPBackendPolicy"}
+UNCHECKED = {
+    "ServiceMonitor",
+    "DestinationRule",
+    "HealthCheckPolicy",
+    "GCPBackendPolicy",
+    "Certificate",
+    "Issuer",
+}
 
 GATEWAY = {"create": True, "port": 80}
 ROUTE = {"enabled": True}
@@ -83,6 +90,13 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "existing-gateway": {
         "httpRoute": {"enabled": True, "gatewayName": "inference-gw", "gatewayNamespace": "gw"}
+    },
+    "cert-manager": {"tls": {"certManager": {"enabled": True}}},
+    "istio-mtls": {
+        "provider": "istio",
+        "gateway": {**GATEWAY, "className": "istio"},
+        "httpRoute": ROUTE,
+        "tls": {"clientAuth": True},
     },
 }
 
@@ -169,6 +183,8 @@ def test_defaults_picker_pool_and_rbac() -> None:
             "PodDisruptionBudget",
             "Role",
             "RoleBinding",
+            "Secret",  # the pickers' and the gateway's certificates (mTLS: tests/chart/test_chart_tls.py)
+            "Secret",
             "Service",
             "Service",
             "ServiceAccount",

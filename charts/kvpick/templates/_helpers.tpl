@@ -89,3 +89,32 @@ namespaceSelector:
 podSelector:
   {{- toYaml .Values.monitoring.podSelector | nindent 2 }}
 {{- end -}}
+
+{{/* "true" when the pickers require the gateway's client certificate on ext_proc (mTLS):
+tls.clientAuth true, or auto with provider none (values.yaml, tls). */}}
+{{- define "kvpick.mtls" -}}
+{{- $c := toString .Values.tls.clientAuth -}}
+{{- if and (eq $c "true") (not .Values.picker.secureServing) -}}
+{{- fail "tls.clientAuth=true needs picker.secureServing=true (mTLS is TLS with a client certificate)" -}}
+{{- end -}}
+{{- if and .Values.picker.secureServing (or (eq $c "true") (and (eq $c "auto") (eq .Values.provider "none"))) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The pickers' Secret (tls.crt, tls.key: their server certificate; ca.crt: the CA a client's
+certificate must chain to) and the gateway's (tls.crt, tls.key: the client certificate it
+presents; ca.crt: the CA the pickers' certificate chains to). */}}
+{{- define "kvpick.pickerTlsSecret" -}}
+{{- printf "%s-tls" (include "kvpick.picker" .) -}}
+{{- end -}}
+{{- define "kvpick.clientTlsSecret" -}}
+{{- printf "%s-gateway-client-tls" (include "kvpick.fullname" .) -}}
+{{- end -}}
+
+{{/* The names the pickers' certificate is valid for: their Service and headless peers Service. */}}
+{{- define "kvpick.pickerDnsNames" -}}
+{{- $p := include "kvpick.picker" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- toYaml (list $p (printf "%s.%s" $p $ns) (printf "%s.%s.svc" $p $ns) (printf "%s.%s.svc.cluster.local" $p $ns) (printf "%s-peers.%s.svc" $p $ns) (printf "%s-peers.%s.svc.cluster.local" $p $ns)) -}}
+{{- end -}}
