@@ -64,11 +64,9 @@ def test_grpc_health_on_both_ports_and_metrics(envoy_stack: Stack) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{envoy_stack.health_port}") as ch:
         for svc in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
             assert _check(ch, svc) == serving, svc
-    # The ext_proc port speaks TLS and answers health there too (gateways probe it).
-    import ssl
-
-    pem = ssl.get_server_certificate(("127.0.0.1", envoy_stack.grpc_port)).encode()
-    creds = grpc.ssl_channel_credentials(root_certificates=pem)
+    # The ext_proc port speaks TLS (mTLS here: the gateway's certificate) and answers health there
+    # too (gateways probe it).
+    creds = envoy_stack.grpc_credentials()
     opts = (("grpc.ssl_target_name_override", "kvpick-picker"),)
     with grpc.secure_channel(f"127.0.0.1:{envoy_stack.grpc_port}", creds, options=opts) as ch:
         assert _check(ch, "envoy.service.ext_proc.v3.ExternalProcessor") == serving
