@@ -62,7 +62,7 @@ IGNORED: tuple[Ignored, ...] = (
     Ignored(
         "--metrics-endpoint-auth",
         "bool",
-        "GIE's Kubernetes token check on /metrics (kvpick's /metrics has none)",
+        "GIE's Kubernetes token check on /metrics (kvpick's: a static bearer token, --metrics-token-file)",
         (False,),
     ),
     Ignored(
