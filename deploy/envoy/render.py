@@ -103,7 +103,10 @@ SIGKILLed is retried on a live one, as ``tests/precise/test_three_pickers.py`` s
 requests whose stream was already on the killed picker: they follow the failure mode.
 
 Access log (``--access-log PATH``; off by default, for benchmarks): one JSON line per request,
-keyed by ``x-request-id``, with Envoy's timings of it (microseconds from the first byte received
+keyed by ``x-request-id``, with its status and what answered it (``%RESPONSE_FLAGS%``,
+``%RESPONSE_CODE_DETAILS%``: ``via_upstream`` for a model server's answer, ``ext_proc_error_gRPC_error_13{...}``
+for a picker's stream that broke, a local reply's flags; the ext_proc calls' gRPC statuses), with
+Envoy's timings of it (microseconds from the first byte received
 from the client, ``%COMMON_DURATION%``: to the last one, to the first byte sent to the model server,
 to the first byte back from it, to the first byte sent to the client) and the ext_proc filter's
 own per-call timings of the picker (``%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:...)%``:
@@ -695,6 +698,13 @@ _EXT_PROC_FIELDS = (
 )
 """The ext_proc filter state's per-call timings the access log carries (Envoy's ext_proc docs,
 "Access Log Fields")."""
+_EXT_PROC_STATUSES = (
+    "request_header_call_status",
+    "request_body_last_call_status",
+    "response_header_call_status",
+)
+"""The gRPC status of those calls (0 OK; 4 a message timeout; 14 the picker unreachable): which
+side of a failed request gave up, beside ``%RESPONSE_FLAGS%`` and ``%RESPONSE_CODE_DETAILS%``."""
 _SPANS = {
     "rx_end_us": "DS_RX_END",
     "upstream_tx_us": "US_TX_BEG",
@@ -707,18 +717,23 @@ _SPANS = {
 
 def access_log_format() -> dict[str, str]:
     """The access log's JSON line (module doc): ``x-request-id``, the start time (Unix seconds),
-    the status, the host that served, and the timings."""
+    the status with Envoy's response flags and code details (which component answered it: a
+    local reply, an upstream reset, the ext_proc filter), the host that served, and the timings."""
     fmt = {
         "id": "%REQ(X-REQUEST-ID)%",
         "start": "%START_TIME(%s.%6f)%",
         "status": "%RESPONSE_CODE%",
+        "flags": "%RESPONSE_FLAGS%",
+        "details": "%RESPONSE_CODE_DETAILS%",
         "upstream": "%UPSTREAM_HOST%",
+        "upstream_failure": "%UPSTREAM_TRANSPORT_FAILURE_REASON%",
         "route": "%ROUTE_NAME%",
         "duration_ms": "%DURATION%",
     }
     fmt |= {k: f"%COMMON_DURATION(DS_RX_BEG:{point}:us)%" for k, point in _SPANS.items()}
     fmt |= {
-        f"ext_proc_{f}": f"%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:{f})%" for f in _EXT_PROC_FIELDS
+        f"ext_proc_{f}": f"%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:{f})%"
+        for f in (*_EXT_PROC_FIELDS, *_EXT_PROC_STATUSES)
     }
     return fmt
 
