@@ -12,12 +12,13 @@ two simulator replicas publishing KV events. One picker is killed with SIGKILL u
   ``retry_policy``).
 
 "Before" and "after" are taken on both sides of ``os.kill``: a timestamp taken only after it can
-come late by tens of milliseconds on a loaded machine (the main thread gives up the GIL to the six
-client threads once the call returns; 0.1 to 39 ms were measured beside two busy loops), while the
+come late by tens of milliseconds on a loaded machine (the main thread shares the GIL with six
+client threads, and two cores with everything else: 0.1 to 39 ms beside two busy loops), while the
 killed picker's requests fail 14 to 67 ms after the kill: one of them could be counted as done
 before it, the likely cause of issue 23's "1 of 804 requests failed before any picker was killed"
-(its status was not printed then). Any failed request is printed with its status, body, timing, Envoy's access-log line for
-it (response flags, code details, ext_proc call statuses) and the warnings the processes logged.
+(its status was not printed then; bench/results/2026-11-27-three-picker-failure.md). Any failed
+request is printed with its status, body, timing, Envoy's access-log line for it (response flags,
+code details, ext_proc call statuses) and the warnings the processes logged.
 
 Envoy does not count ext_proc streams as traffic for its active health checks: without
 ``no_traffic_interval`` it checks every 60 s, and a dead picker keeps failing requests that long.
