@@ -14,7 +14,7 @@ two simulator replicas publishing KV events. One picker is killed with SIGKILL u
 "Before" and "after" are taken on both sides of ``os.kill``: a timestamp taken only after it can
 come late by tens of milliseconds on a loaded machine (the main thread shares the GIL with six
 client threads, and two cores with everything else: 0.1 to 39 ms beside two busy loops), while the
-killed picker's requests fail 14 to 67 ms after the kill: one of them could be counted as done
+killed picker's requests fail 11 to 71 ms after the kill: one of them could be counted as done
 before it, the likely cause of issue 23's "1 of 804 requests failed before any picker was killed"
 (its status was not printed then; bench/results/2026-11-27-three-picker-failure.md). Any failed
 request is printed with its status, body, timing, Envoy's access-log line for it (response flags,
