@@ -31,6 +31,19 @@ request's prefill is released by whichever comes first:
 - a first response byte, when Envoy sends response bodies;
 - the end of the request.
 
+**Both pods of a disaggregated request** (:mod:`picker.core.scheduling.pd`). The request is
+charged to its decode pod as any request is, with no uncached tokens: the decode pod computes
+none of the prompt, its KV arrives over the link. Its prefill is charged to the prefill pod as a
+second ticket, a *leg* (:meth:`start` with ``leg=True``, linked from the request's ticket as
+:attr:`Ticket.leg`): in flight there, its uncached tokens pending, from the pick until the
+prefill is predicted done (``due``, the same rule as above). The decode pod's sidecar calls the
+prefiller directly, not through Envoy, so no response path ever reports on the leg; at its
+predicted end (:meth:`expire`) the leg is finished outright, not only released, and the prefill
+pod's next scrape corrects the prediction both ways: a leg still waiting there shows in the
+scraped ``waiting`` gauge (priced by the cost scorer), and a scrape that shows it no longer
+waiting releases and finishes it early (:meth:`reconcile`). The request's end, or its first
+byte, also ends its leg (the prefill was done before the decode began).
+
 A prediction that comes too early is corrected by the cost scorer: a released request still
 waiting in the replica's queue shows in the scraped ``waiting`` gauge, which it prices (less our
 pending requests) at the endpoint's uncached tokens per request.
@@ -89,6 +102,10 @@ class Ticket:
     once the ticket is done (:meth:`Accounting.finish`)."""
     hashes: Sequence[int] = ()
     """The request's block hashes (the list the index recorded; not a copy). Empty once done."""
+    leg: Ticket | None = None
+    """A disaggregated request's prefill leg on its prefill pod (the module doc), else None."""
+    is_leg: bool = False
+    """This ticket is a prefill leg: finished at its predicted prefill end, never moved."""
 
 
 class Accounting:
@@ -103,15 +120,19 @@ class Accounting:
         matched_blocks: int = 0,
         cycle: Cycle | None = None,
         hashes: Sequence[int] = (),
+        leg: bool = False,
     ) -> Ticket:
+        """Charge a request to ``state``; with ``leg``, a disaggregated request's prefill leg
+        (link it as the request ticket's :attr:`Ticket.leg`)."""
         ticket = Ticket(
             state,
             prompt_tokens,
             uncached_tokens,
             self.clock(),
             matched_blocks=matched_blocks,
-            cycle=cycle,
-            hashes=hashes,
+            cycle=None if leg else cycle,
+            hashes=() if leg else hashes,
+            is_leg=leg,
         )
         self._charge(ticket)
         return ticket
@@ -155,6 +176,7 @@ class Accounting:
         """Re-credit a live ticket to ``new``: its in-flight counts and, if its prefill is still
         pending, its pending prefill move there."""
         assert not ticket.done, "a finished ticket cannot move"
+        assert not ticket.is_leg, "a prefill leg stays on its prefill pod"
         pending = ticket.pending
         self._discharge(ticket)
         ticket.state.load.sent_total -= 1  # it never reached the primary
@@ -172,7 +194,9 @@ class Accounting:
             due = state.load.prefill_due
             while due and due[0].due <= now:
                 ticket = due.popleft()
-                if ticket.state is state:  # else moved: its entry on the new endpoint counts
+                if ticket.is_leg:  # its prefill is predicted done: the leg is over
+                    self.finish(ticket)
+                elif ticket.state is state:  # else moved: its entry on the new endpoint counts
                     self._release(ticket)
 
     def reconcile(self, state: EndpointState) -> None:
@@ -197,7 +221,10 @@ class Accounting:
         before = [t for t in live if t.pending and t.started <= cutoff]
         keep = int(m.waiting) + min(1, int(m.running)) + load.unseen_requests
         for ticket in before[: max(0, len(before) - keep)]:
-            self._release(ticket)
+            if ticket.is_leg:  # no longer waiting there: its prefill is done or running
+                self.finish(ticket)
+            else:
+                self._release(ticket)
         while due and not (due[0].pending and due[0].state is state):
             due.popleft()
 
@@ -206,6 +233,8 @@ class Accounting:
         or once finished)."""
         if not ticket.done:
             self._release(ticket)
+            if ticket.leg is not None:
+                self.finish(ticket.leg)
 
     def finish(self, ticket: Ticket) -> None:
         """End, error, reset or disconnect; idempotent. The finished ticket lets go of its cycle
@@ -218,3 +247,5 @@ class Accounting:
         ticket.done = True
         self._discharge(ticket)
         ticket.cycle, ticket.hashes = None, ()
+        if ticket.leg is not None:
+            self.finish(ticket.leg)

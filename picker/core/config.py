@@ -12,6 +12,7 @@ Example ``--config-file``::
     scrape: {interval_s: 0.2, timeout_s: 1.0, stale_after_s: 2.0, unreachable_after: 3}
     prefix: {mode: auto, kv_events_port: 5557, tokenizer: /models/llama}   # precise: KV events
     calibration: {default_prefill_rate: 10000, prior_scrapes: 8, window: 64}   # picker.core.calibration
+    pd: {enabled: true, decider: cost, link_bytes_per_s: 5.0e10}   # prefill/decode disaggregation (docs/pd.md)
     profiles:              # add or override policies; built-ins: cost, weighted, round-robin, least-loaded
       my-policy:
         filters: [{type: ready}, {type: not-saturated, params: {max_waiting: 32}}]
@@ -31,8 +32,9 @@ import yaml
 from picker.core.calibration import CalibrationConfig
 from picker.core.prefix.hashing import HashConfig
 from picker.core.request import DEFAULT_MEDIA_TOKENS
+from picker.core.scheduling.pd import PDConfig
 from picker.core.scheduling.profile import BUILTIN_POLICIES, Profile
-from picker.core.scheduling.registry import make_filter, make_picker, make_scorer
+from picker.core.scheduling.registry import make_decider, make_filter, make_picker, make_scorer
 
 
 @dataclass(frozen=True)
@@ -203,10 +205,19 @@ class RouterConfig:
     """Honour ``x-llm-d-model-name-rewrite`` (or ``x-gateway-model-name-rewrite``). Only a gateway may set it: turn this on only where
     the gateway strips a client-sent copy and sets its own (else any client picks the model)."""
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    pd: PDConfig = field(default_factory=PDConfig)
+    """Prefill/decode disaggregation (:mod:`picker.core.scheduling.pd`, docs/pd.md)."""
 
     def __post_init__(self) -> None:
         if self.policy not in self.profiles:
             raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(sorted(self.profiles))}")
+        for key in ("decode_policy", "prefill_policy"):
+            name = getattr(self.pd, key)
+            if name and name not in self.profiles:
+                raise ValueError(
+                    f"pd.{key}: unknown policy {name!r}; known: {', '.join(sorted(self.profiles))}"
+                )
+        make_decider(self.pd.decider, self.pd.decider_params)  # a misspelt decider fails at load
         assert self.fallbacks >= 0, f"fallbacks must be >= 0, got {self.fallbacks}"
 
 
@@ -231,6 +242,7 @@ def load(raw: Mapping[str, Any] | None, base: RouterConfig | None = None) -> Rou
         "scrape": (ScrapeConfig, base.scrape),
         "prefix": (PrefixConfig, base.prefix),
         "calibration": (CalibrationConfig, base.calibration),
+        "pd": (PDConfig, base.pd),
     }
     for key, (cls, cur) in sub.items():
         if key in raw:

@@ -39,7 +39,9 @@ from picker.core.prefix.memo import HashMemo
 from picker.core.prefix.precise import PreciseIndex, State, Sync, request_keys
 from picker.core.request import InferenceRequest, ParseOptions
 from picker.core.scheduling.cost import CostScorer
+from picker.core.scheduling.pd import PDHandler, PDResult, split_roles
 from picker.core.scheduling.profile import PluginTimer, Profile, Result
+from picker.core.scheduling.registry import make_decider
 from picker.core.scheduling.types import Cycle
 
 
@@ -50,6 +52,13 @@ class Decision:
     hashes: list[int]
     keys: list[int] | None = None
     """The prompt's precise (token-block) keys when precise matching applied, else None."""
+    pd: PDResult | None = None
+    """The prefill half of a P/D pick (``pd.enabled``), else None."""
+
+    @property
+    def prefill(self) -> EndpointState | None:
+        """The prefill endpoint when the request is disaggregated, else None."""
+        return self.pd.prefill if self.pd is not None else None
 
     @property
     def primary(self) -> EndpointState:
@@ -88,6 +97,10 @@ class Router:
                 n: _with_miss_penalty(p, cfg.prefix.precise_miss_penalty) for n, p in self.profiles.items()
             }
         self._block_tokens = cfg.hashing.block_size / cfg.index.chars_per_token
+        self.pd: PDHandler | None = None
+        """The ``pd`` profile handler (``pd.enabled``): decode pick, prefill pick, decider."""
+        if cfg.pd.enabled:
+            self.pd = PDHandler(make_decider(cfg.pd.decider, cfg.pd.decider_params), cfg.pd.link)
         self.accounting = Accounting(clock)
         self.parse_options = ParseOptions(
             lora_adapters=cfg.lora_adapters,
@@ -209,6 +222,9 @@ class Router:
         if self.catch_up is not None:
             self.catch_up()
         candidates = self.pool.routable()
+        prefills: list[EndpointState] = []
+        if self.pd is not None:  # the subset hint limits the destination (decode) pods only
+            candidates, prefills = split_roles(candidates)
         if subset is not None:
             candidates = [e for e in candidates if e.key in subset]
             if not candidates:
@@ -216,12 +232,24 @@ class Router:
         if not candidates:
             raise NoEndpoints("no ready endpoint in the pool")
         self.accounting.expire(candidates)
-        cyc, hashes, keys = self.cycle(req, candidates)
+        if prefills:
+            self.accounting.expire(prefills)
+        cyc, hashes, keys = self.cycle(req, candidates + prefills if prefills else candidates)
         profile = self.profiles[policy] if policy else self.profile
         if keys is not None:
             profile = self.precise_profiles.get(profile.name, profile)
-        result = profile.run(cyc, candidates, 1 + self.cfg.fallbacks, commit)
-        return Decision(cyc, result, hashes, keys)
+        k = 1 + self.cfg.fallbacks
+        if self.pd is None:
+            return Decision(cyc, profile.run(cyc, candidates, k, commit), hashes, keys)
+        pcfg = self.cfg.pd
+        decode = self._profile(pcfg.decode_policy, keys) if pcfg.decode_policy and not policy else profile
+        prefill = self._profile(pcfg.prefill_policy, keys) if pcfg.prefill_policy else profile
+        result, pd = self.pd.run(cyc, decode, prefill, candidates, prefills, k, commit)
+        return Decision(cyc, result, hashes, keys, pd)
+
+    def _profile(self, name: str, keys: list[int] | None) -> Profile:
+        profile = self.profiles[name]
+        return self.precise_profiles.get(name, profile) if keys is not None else profile
 
     def any_ready(self, subset: Collection[str] | None = None) -> EndpointState:
         """A bodiless request's endpoint (GET /v1/models): the routable one with the fewest
@@ -244,11 +272,25 @@ class Router:
         if decision.keys and self.precise is not None:
             self.precise.speculate(state.key, decision.keys, self.clock())
         uncached = cyc.prompt_tokens - cyc.cached_tokens(state.key)
+        prefill = decision.prefill
         ticket = self.accounting.start(
-            state, cyc.prompt_tokens, uncached, cyc.matches.get(state.key, 0), cyc, decision.hashes
+            state,
+            cyc.prompt_tokens,
+            0 if prefill is not None else uncached,  # disaggregated: its KV arrives over the link
+            cyc.matches.get(state.key, 0),
+            cyc,
+            decision.hashes,
         )
+        if prefill is not None:  # the prefill leg (picker.core.accounting: both pods)
+            self.index.record(prefill.key, decision.hashes)
+            if decision.keys and self.precise is not None:
+                self.precise.speculate(prefill.key, decision.keys, self.clock())
+            p_uncached = cyc.prompt_tokens - cyc.cached_tokens(prefill.key)
+            ticket.leg = self.accounting.start(prefill, cyc.prompt_tokens, p_uncached, leg=True)
         for listener in self._pick_listeners:  # after accounting: the peers hear our load with it in
             listener(state.key, decision.keys, decision.hashes)
+            if prefill is not None:
+                listener(prefill.key, decision.keys, decision.hashes)
         return ticket
 
     def add_pick_listener(self, listener: Callable[[str, list[int] | None, list[int]], None]) -> None:

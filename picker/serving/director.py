@@ -52,6 +52,9 @@ class Pick:
     destination: str
     """The one value of both the destination header and the ``envoy.lb`` metadata (the protocol
     forbids two different values): :attr:`chosen`, comma-separated. Kept in step with it."""
+    prefill: str = ""
+    """The prefill endpoint's ``ip:port`` when the request is disaggregated (the
+    ``x-prefiller-host-port`` header's value), else ""."""
 
 
 class Director:
@@ -114,12 +117,22 @@ class Director:
         chosen = [e.key for e in decision.chosen]
         cyc = decision.cycle
         label = "prefix_hit" if cyc.matches.get(chosen[0], 0) else "prefix_miss"
+        prefill = decision.prefill
         t = self.telemetry
         if t is not None:
             t.count_request(req.model, req.model)
             if cyc.n_blocks:
                 t.prefix_hit_ratio.observe(ticket.matched_blocks / cyc.n_blocks)
-        return Pick(req.request_id, chosen, ticket, label, ",".join(chosen)), new_body
+            if decision.pd is not None:
+                verdict = decision.pd.verdict
+                outcome = (
+                    "disaggregated" if prefill else "no_prefill_endpoint" if verdict is None else "local"
+                )
+                t.pd_decisions.labels(outcome).inc()
+        pick = Pick(req.request_id, chosen, ticket, label, ",".join(chosen))
+        if prefill is not None:
+            pick.prefill = prefill.key
+        return pick, new_body
 
     def pick_bodiless(self, headers: Mapping[str, str], subset: Collection[str] | None = None) -> Pick:
         """A request with no body (GET /v1/models): any ready endpoint, no scheduling, index or

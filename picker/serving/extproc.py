@@ -54,6 +54,7 @@ from google.protobuf import struct_pb2
 from picker.core.endpoints.types import Endpoint
 from picker.core.errors import BodyTooLarge, InternalError, PickerError
 from picker.core.request import Parsed
+from picker.core.scheduling.pd import PREFILLER_HEADER
 from picker.serving.director import Director, Pick
 from picker.serving.errors import CONTENT_TYPE
 from picker.serving.errors import encode as encode_error
@@ -71,6 +72,9 @@ BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
 NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 REQUEST_ID = "x-request-id"
+PREFILLER = PREFILLER_HEADER
+"""The prefill endpoint of a disaggregated request (llm-d's ``x-prefiller-host-port``): set
+from the pick, and removed when the client sent one (it names a host the sidecar will call)."""
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 RESPONSE_HEADERS = ("when-needed", "always")
 """``--response-headers``: skip them per request where the picker has no use for them, or not."""
@@ -282,6 +286,8 @@ class Exchange:
     """The client's ``x-request-id``, or the one generated for it at the pick."""
     destination: str = ""
     """The pick's destination as the request path answers it (:attr:`Pick.destination`)."""
+    prefill: str = ""
+    """The pick's prefill endpoint (:attr:`Pick.prefill`), "" when not disaggregated."""
 
     @property
     def routed(self) -> bool:
@@ -355,7 +361,12 @@ class Exchange:
             head = self._override(self._headers_response(len(new_body) if new_body is not None else None))
             out = new_body if new_body is not None else chunks
             return itertools.chain((head,), body_chunks(out, "request_body", eos))
-        unchanged = new_body is None and self.request_id == self.headers.get(REQUEST_ID)
+        unchanged = (
+            new_body is None
+            and self.request_id == self.headers.get(REQUEST_ID)
+            and not self.prefill
+            and PREFILLER not in self.headers
+        )
         if unchanged and self.body_answers is not None:  # the answer depends on the destination alone
             return [self.body_answers.get(self.destination, self._body_answer)]
         return [self._body_answer(new_body)]
@@ -381,7 +392,7 @@ class Exchange:
             parsed = self.parsed if self.parsed is not None else director.parse(chunks, self.headers)
             pick, new_body = director.pick(parsed, self.subset)
             self.pick = pick
-        self.request_id, self.destination = pick.request_id, pick.destination
+        self.request_id, self.destination, self.prefill = pick.request_id, pick.destination, pick.prefill
         return new_body
 
     def _mutation(self, body_len: int | None) -> pb.CommonResponse:
@@ -390,6 +401,11 @@ class Exchange:
             hdrs.append(_header(REQUEST_ID, self.request_id))
         if body_len is not None:
             hdrs.append(_header("content-length", str(body_len)))
+        if self.prefill:
+            hdrs.append(_header(PREFILLER, self.prefill))
+        elif PREFILLER in self.headers:  # a client's own: never passed to a sidecar
+            mutation = pb.HeaderMutation(set_headers=hdrs, remove_headers=[PREFILLER])
+            return pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
         return pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=hdrs), clear_route_cache=True)
 
     def _metadata(self) -> struct_pb2.Struct:

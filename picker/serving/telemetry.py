@@ -121,6 +121,13 @@ class Telemetry:
             "Fraction of a request's prefix blocks found on the chosen endpoint",
             (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
         ).labels()
+        self.pd_decisions = tally.counter(
+            "kvpick_pd_decisions",
+            "P/D picks (pd.enabled) by outcome: disaggregated, local (the decider kept the prefill on the "
+            "decode pod) or no_prefill_endpoint (none routable, or a both-role destination)",
+            ["decision"],
+        )
+        """Three series at most (the label values in the help)."""
         self.extproc_messages = tally.counter(
             "kvpick_extproc_messages",
             "ext_proc messages received from Envoy, by kind (request_headers, request_body, ...)",

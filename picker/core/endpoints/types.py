@@ -8,6 +8,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections import deque
@@ -19,6 +20,23 @@ if TYPE_CHECKING:
     from picker.core.accounting import Ticket
 
 
+ROLE_LABEL = "llm-d.ai/role"
+"""The pod label naming a replica's part in prefill/decode disaggregation (llm-d's)."""
+PREFILL, DECODE, BOTH = "prefill", "decode", "both"
+ROLES = (PREFILL, DECODE, BOTH)
+"""An endpoint's role: ``prefill`` (only prefills handed off by a decode pod's sidecar),
+``decode`` (serves requests, its sidecar may hand their prefill off) or ``both`` (the default:
+serves whole requests; a decode candidate that never disaggregates unless it runs a sidecar)."""
+
+
+def parse_role(value: str | None) -> str:
+    """A role label's value; unset or empty is ``both``. Raises ValueError for another value."""
+    role = (value or BOTH).strip().lower()
+    if role not in ROLES:
+        raise ValueError(f"role {value!r} is not one of {', '.join(ROLES)}")
+    return role
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     """One routable serving port (one vLLM API server, or one data-parallel rank of it)."""
@@ -27,16 +45,24 @@ class Endpoint:
     port: int
     name: str = ""
     """Pod name (Kubernetes) or a free-form label; informational only."""
+    role: str = BOTH
+    """One of :data:`ROLES` (discovery: the ``llm-d.ai/role`` label, or a static entry's role)."""
     key: str = field(init=False, compare=False, repr=False)
     """``"ip:port"`` (``"[ipv6]:port"``: what Envoy's ORIGINAL_DST and override_host parse), computed once: it is read hundreds of times per scheduling cycle."""
 
     def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"endpoint role {self.role!r} is not one of {', '.join(ROLES)}")
         host = f"[{self.address}]" if ":" in self.address else self.address
         object.__setattr__(self, "key", f"{host}:{self.port}")
 
     @classmethod
     def parse(cls, hostport: str, name: str = "") -> Endpoint:
-        """``ip:port``, or ``[ipv6]:port`` (an IPv6 address must be bracketed)."""
+        """``ip:port``, or ``[ipv6]:port`` (an IPv6 address must be bracketed), optionally followed
+        by ``=role`` (``10.0.0.1:8000=prefill``; without it the role is ``both``)."""
+        hostport, eq, role = hostport.strip().partition("=")
+        if eq:
+            return dataclasses.replace(cls.parse(hostport, name), role=parse_role(role))
         host, sep, port = hostport.strip().rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"endpoint {hostport!r} is not ip:port")

@@ -66,6 +66,20 @@ TIE_MARGIN = 1e-6
 the model resolves, so it orders ties only."""
 
 
+def queued_and_running(e: EndpointState) -> tuple[float, float]:
+    """``(queued(e), running(e))`` of the module doc: the prefill tokens ahead of a new request
+    and the batch it joins. :meth:`CostScorer._costs` computes the same inline (it runs per
+    endpoint per request); tests/unit/test_pd.py holds the two equal."""
+    m, load, peer = e.metrics, e.load, e.peer_load
+    u = e.model.uncached_per_request
+    foreign = (m.waiting - load.pending_requests) * u
+    peer_pending = peer.pending_prefill_tokens
+    queued = load.pending_prefill_tokens + (foreign if foreign > peer_pending else peer_pending)
+    queued += load.unseen_requests * u
+    sent = load.in_flight_requests - load.finished_streams + peer.in_flight_requests
+    return queued, (m.running if m.running > sent else sent)
+
+
 @dataclass
 class CostScorer:
     miss_penalty: float = 1.0

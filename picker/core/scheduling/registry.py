@@ -9,6 +9,7 @@ from typing import Any
 
 from picker.core.scheduling.cost import CostScorer
 from picker.core.scheduling.filters import LoadGuardFilter, NotSaturatedFilter, ReadyFilter
+from picker.core.scheduling.pd import AlwaysDecider, CostDecider, Decider, NeverDecider, TokenThresholdDecider
 from picker.core.scheduling.pickers import MaxScorePicker, RandomPicker, RoundRobinPicker
 from picker.core.scheduling.scorers import (
     InFlightTokensScorer,
@@ -42,6 +43,14 @@ PICKERS: dict[str, type[Any]] = {
     "random": RandomPicker,
 }
 
+DECIDERS: dict[str, type[Any]] = {
+    "cost": CostDecider,
+    "token-threshold": TokenThresholdDecider,
+    "always": AlwaysDecider,
+    "never": NeverDecider,
+}
+"""P/D deciders (:mod:`picker.core.scheduling.pd`), ``pd.decider`` in the config."""
+
 
 def _build(table: Mapping[str, type[Any]], kind: str, name: str, params: Mapping[str, Any] | None) -> Any:
     cls = table.get(name)
@@ -67,6 +76,11 @@ def make_scorer(name: str, params: Mapping[str, Any] | None = None) -> Scorer:
 def make_picker(name: str, params: Mapping[str, Any] | None = None) -> Picker:
     p: Picker = _build(PICKERS, "picker", name, params)
     return p
+
+
+def make_decider(name: str, params: Mapping[str, Any] | None = None) -> Decider:
+    d: Decider = _build(DECIDERS, "decider", name, params)
+    return d
 
 
 Factory = Callable[[str, Mapping[str, Any] | None], Any]

@@ -44,7 +44,7 @@ import urllib3
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from picker.core.endpoints.types import Endpoint, EndpointSink
+from picker.core.endpoints.types import ROLE_LABEL, Endpoint, EndpointSink, parse_role
 from picker.core.objectives import Objectives
 
 log = logging.getLogger(__name__)
@@ -118,9 +118,16 @@ class PodView:
         )
 
     def endpoints(self, ports: Sequence[int]) -> list[Endpoint]:
+        """The pod's serving ports, each with the pod's ``llm-d.ai/role`` (unset: ``both``). A pod
+        with another role value (llm-d's ``encode``, a typo) serves none of our requests: none."""
         if not (self.ready and self.ip):
             return []
-        return [Endpoint(self.ip, port, f"{self.name}-rank-{i}") for i, port in enumerate(ports)]
+        try:
+            role = parse_role(self.labels.get(ROLE_LABEL))
+        except ValueError as exc:
+            log.warning("pod %s: label %s: %s; not routed", self.name, ROLE_LABEL, exc)
+            return []
+        return [Endpoint(self.ip, port, f"{self.name}-rank-{i}", role) for i, port in enumerate(ports)]
 
 
 def objective_priority(obj: Obj, pool_name: str) -> int | None:

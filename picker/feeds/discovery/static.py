@@ -2,7 +2,11 @@
 
 File format (either form)::
 
-    endpoints: ["10.0.0.1:8000", {address: 10.0.0.2, port: 8000, name: pod-b}]
+    endpoints: ["10.0.0.1:8000", "10.0.0.3:8000=prefill", {address: 10.0.0.2, port: 8000, name: pod-b, role: decode}]
+
+A role (``prefill``, ``decode`` or ``both``, as the ``llm-d.ai/role`` pod label) follows
+``=`` in a string entry (``--endpoints 10.0.0.1:8000=decode,10.0.0.3:8000=prefill``) or is a
+mapping's ``role``; without one an endpoint is ``both``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from picker.core.endpoints.types import Endpoint, EndpointSink
+from picker.core.endpoints.types import Endpoint, EndpointSink, parse_role
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +37,8 @@ def parse_file_doc(doc: Any) -> list[Endpoint]:
         if isinstance(item, str):
             out.append(Endpoint.parse(item))
         elif isinstance(item, dict):
-            out.append(Endpoint(str(item["address"]), int(item["port"]), str(item.get("name", ""))))
+            role = parse_role(item.get("role"))
+            out.append(Endpoint(str(item["address"]), int(item["port"]), str(item.get("name", "")), role))
         else:
             raise ValueError(f"bad endpoint entry {item!r}")
     return out
