@@ -94,7 +94,7 @@ def test_config_rejects_unknown_deciders_params_and_policies() -> None:
         config_mod.load({"pd": {"enabled": True, "decider": "sometimes"}})
     with pytest.raises(ValueError, match="unknown params"):
         config_mod.load({"pd": {"decider": "cost", "decider_params": {"itl_wieght": 1}}})
-    with pytest.raises(ValueError, match="pd.prefill_policy"):
+    with pytest.raises(ValueError, match=r"pd\.prefill_policy"):
         config_mod.load({"pd": {"prefill_policy": "nope"}})
     with pytest.raises(ValueError, match="unknown keys"):
         config_mod.load({"pd": {"enable": True}})
@@ -106,7 +106,7 @@ def test_config_rejects_unknown_deciders_params_and_policies() -> None:
 
 
 def test_decode_first_over_decode_and_both_then_prefill_over_prefill_only() -> None:
-    router, pool, _ = make("always", roles=f"{D1}=decode,10.0.0.5:1=both,{P1}=prefill")
+    router, _, _ = make("always", roles=f"{D1}=decode,10.0.0.5:1=both,{P1}=prefill")
     seen_decode, seen_prefill = set(), set()
     for i in range(40):
         d = router.route(req(f"q{i} " + LONG))
@@ -275,7 +275,7 @@ def test_a_scrape_that_shows_the_leg_done_finishes_it_early_and_the_end_finishes
 
 
 def test_the_cost_scorer_spreads_prefills_over_prefill_pods_by_their_charged_legs() -> None:
-    router, pool, _ = make("always")
+    router, _, _ = make("always")
     picks = [router.start(router.route(req(f"{i} " + LONG))) for i in range(10)]
     legs = [t.leg for t in picks]
     assert all(leg is not None for leg in legs)
