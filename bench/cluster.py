@@ -19,6 +19,19 @@ events, delivered ``--event-delay-s`` after the engine step that produced them. 
 real path: vLLM's wire encoding (``replica.sim.kv_events``), msgpack, the picker's decoder
 (``picker.feeds.events``). Requests then carry their token ids, as a tokenizing picker sees them.
 
+``--pd NpMd`` (e.g. ``2P6D``; comma-separated to compare, ``-`` for the aggregated pool) makes
+the first N replicas ``prefill`` and the other M ``decode`` endpoints, and runs the picker's
+``pd`` profile handler with each ``--pd-decider`` (``cost``, ``always``, ``never``,
+``token-threshold``). A disaggregated request runs as llm-d's sidecar runs it: a one-token
+request on the prefill engine; when it finishes, the prompt's KV blocks the decode engine lacks
+cross the link (``tokens × kv_bytes_per_token / --link-gb-per-s``; the model's KV bytes per
+token from its profile; the link is not shared: no contention between transfers), then the
+request joins the decode engine's queue with its KV loaded (``Request.kv_loaded``: admission
+computes only its last token). TTFT is the decode engine's first token less the arrival; the
+prefill engine's token is discarded, as the sidecar discards it. Inter-token latency is every
+gap between a request's successive tokens; a prefill chunk sharing a step with decodes lengthens
+that step (the roofline charges the whole batch), which is how prefills interfere with decodes.
+
 Next to the measured hit rate it reports the two ceilings of docs/design.md#hit-rate-ceilings, on
 the same token blocks the engines cache (``bench.ceilings``, over the requests sent, in send order): the infinite
 single cache (``ideal_hit_rate``) and one LRU cache holding all replicas' KV blocks together
@@ -44,11 +57,12 @@ import msgpack
 from picker.core.accounting import Ticket
 from picker.core.config import RouterConfig, load_file
 from picker.core.endpoints.pool import Pool
-from picker.core.endpoints.types import Endpoint, EndpointMetrics, Health
+from picker.core.endpoints.types import DECODE, PREFILL, Endpoint, EndpointMetrics, Health
 from picker.core.errors import PickerError
 from picker.core.prefix.precise import State, Sync
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
+from picker.core.scheduling.pd import DEFAULT_LINK_BYTES_PER_S, Link, PDConfig
 from picker.feeds import events as kv_events_in
 from replica.sim import kv_events
 from replica.sim.blocks import Event
@@ -95,6 +109,13 @@ class Result:
     share: str = ""
     agreement: float = 1.0
     """Fraction of decisions another picker would have made the same (1 with one picker)."""
+    pd: str = ""
+    """``NpMd``, or "" for the aggregated pool."""
+    decider: str = ""
+    itl_p50: float = 0.0
+    itl_p90: float = 0.0
+    disaggregated: float = 0.0
+    """Fraction of the requests sent that were disaggregated."""
 
 
 class Cluster:
@@ -112,15 +133,19 @@ class Cluster:
         pickers: int = 1,
         share: frozenset[str] = frozenset(),
         kv_blocks: int = 0,
+        pd: tuple[int, int] | None = None,
     ) -> None:
         assert pickers >= 1 and share <= SHARE, f"bad pickers {pickers} / share {sorted(share)}"
+        assert pd is None or sum(pd) == n, f"P/D split {pd} is not {n} replicas"
         self.now = 0.0
         self.event_delay_s = event_delay_s
         profs = [prof] if isinstance(prof, Profile) else list(prof)
         assert profs, "a cluster needs at least one profile"
         self.model, self.prof = model, profs[0]
-        endpoints = [Endpoint(f"10.0.{i // 250}.{i % 250 + 1}", 8000) for i in range(n)]
+        roles = [PREFILL if pd is not None and i < pd[0] else DECODE if pd else "both" for i in range(n)]
+        endpoints = [Endpoint(f"10.0.{i // 250}.{i % 250 + 1}", 8000, role=roles[i]) for i in range(n)]
         cfg_r = dataclasses.replace(router_cfg or RouterConfig(), policy=policy)
+        self.link: Link = cfg_r.pd.link
         if seed is not None:
             cfg_r = dataclasses.replace(cfg_r, profiles=seeded_profiles(cfg_r.profiles, seed))
         self.pickers = self._pickers(cfg_r, endpoints, pickers, share)
@@ -150,6 +175,11 @@ class Cluster:
         self.done_prompt_tokens = 0
         self.sent: list[tuple[int, list[int]]] = []
         """(prompt tokens, prompt block hashes) of each request sent, for the ceilings."""
+        self.itls: list[float] = []
+        self.legs: dict[int, tuple[Router, Ticket, float, Replica, Request]] = {}
+        """A prefill leg's request id → (router, the request's ticket, its arrival, the decode
+        replica, the decode request waiting for the leg's KV)."""
+        self.disaggregated = 0
 
     def _push(self, t: float, kind: str, payload: object) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
@@ -224,16 +254,46 @@ class Cluster:
         ticket = router.start(decision)
         req = Request(toks, row.output_length, rep.core.pool.block_size, arrival=self.now)
         self.sent.append((len(toks), req.hashes.copy()))
+        if decision.prefill is not None:  # the sidecar's prefill leg: one token on the prefill engine
+            self.disaggregated += 1
+            pre = self.replicas[decision.prefill.key]
+            leg = Request(toks, 1, pre.core.pool.block_size, arrival=self.now)
+            self.legs[leg.request_id] = (router, ticket, self.now, rep, req)
+            pre.core.sched.add(leg)
+            self._kick(pre)
+            return
         rep.tickets[req.request_id] = (router, ticket, self.now)
+        rep.core.sched.add(req)
+        self._kick(rep)
+
+    def _leg_done(self, leg: Request) -> None:
+        """A prefill leg finished: the KV blocks the decode engine lacks cross the link."""
+        router, ticket, arrived, rep, req = self.legs.pop(leg.request_id)
+        bs = rep.core.pool.block_size
+        held = len(rep.core.pool.lookup(req.hashes, req.tokens, (req.num_tokens - 1) // bs)) * bs
+        self._push(
+            self.now + self.link.transfer_s(req.num_tokens - held),
+            "kv_in",
+            (router, ticket, arrived, rep, req),
+        )
+
+    def _kv_in(self, router: Router, ticket: Ticket, arrived: float, rep: Replica, req: Request) -> None:
+        req.kv_loaded = True
+        rep.tickets[req.request_id] = (router, ticket, arrived)
         rep.core.sched.add(req)
         self._kick(rep)
 
     def _step(self, rep: Replica, step: Step) -> None:
         rep.busy = False
         for req in rep.core.end(step, self.now):
+            if req.request_id in self.legs:
+                self._leg_done(req)
+                continue
             router, ticket, arrived = rep.tickets[req.request_id]
             if req.num_output == 1:
                 self.ttfts.append(self.now - arrived)
+            elif req.prev_token_at is not None and req.last_token_at is not None:
+                self.itls.append(req.last_token_at - req.prev_token_at)
             if req.finished:
                 router.finish(ticket)
                 del rep.tickets[req.request_id]
@@ -289,6 +349,9 @@ class Cluster:
             elif kind == "kv":
                 assert isinstance(payload, tuple), f"kv event carries {payload!r}"
                 self._deliver(*payload)
+            elif kind == "kv_in":
+                assert isinstance(payload, tuple), f"kv_in event carries {payload!r}"
+                self._kv_in(*payload)
             else:
                 self._scrape()
                 if len(self._events) > 0:
@@ -335,14 +398,25 @@ def simulate(
     event_delay_s: float = 0.05,
     pickers: int = 1,
     share: frozenset[str] = frozenset(),
+    pd: tuple[int, int] | None = None,
+    decider: str = "cost",
+    decider_params: Mapping[str, Any] | None = None,
+    link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S,
 ) -> Result:
     """Route ``rows`` over ``n`` engines under ``policy`` (a built-in, or a profile of
-    ``router_cfg``, the picker's own config as ``--config-file`` loads it)."""
+    ``router_cfg``, the picker's own config as ``--config-file`` loads it). ``pd`` (prefill,
+    decode) replica counts run the ``pd`` handler with ``decider``; the model's KV bytes per
+    token come from the (first) profile."""
     t0 = time.perf_counter()
     router_cfg = router_cfg or RouterConfig()
     router_cfg = dataclasses.replace(
         router_cfg, prefix=dataclasses.replace(router_cfg.prefix, mode=prefix_mode)
     )
+    if pd is not None:
+        first = prof if isinstance(prof, Profile) else prof[0]
+        kv = first.model.kv_bytes_per_token if first.model is not None else router_cfg.pd.kv_bytes_per_token
+        pdc = PDConfig(True, "", "", decider, dict(decider_params or {}), kv, link_bytes_per_s)
+        router_cfg = dataclasses.replace(router_cfg, pd=pdc)
     c = Cluster(
         n,
         policy,
@@ -353,9 +427,11 @@ def simulate(
         event_delay_s=event_delay_s,
         pickers=pickers,
         share=share,
+        pd=pd,
     )
     c.run(rows, time_scale)
     q = statistics.quantiles(c.ttfts, n=100) if len(c.ttfts) >= 2 else [0.0] * 99
+    qi = statistics.quantiles(c.itls, n=100) if len(c.itls) >= 2 else [0.0] * 99
     return Result(
         policy,
         prefix_mode,
@@ -376,7 +452,26 @@ def simulate(
         pickers,
         ",".join(sorted(share)),
         c.agreed / c.decisions if c.decisions else 1.0,
+        f"{pd[0]}P{pd[1]}D" if pd else "",
+        decider if pd else "",
+        qi[49],
+        qi[89],
+        c.disaggregated / len(c.sent) if c.sent else 0.0,
     )
+
+
+def parse_pd(spec: str) -> tuple[int, int] | None:
+    """``NpMd`` (case-insensitive, e.g. ``2P6D``) → (N, M); ``-`` or "" → None (aggregated)."""
+    s = spec.strip().upper()
+    if s in ("", "-"):
+        return None
+    p, sep, d = s.partition("P")
+    if not sep or not d.endswith("D") or not p.isdigit() or not d[:-1].isdigit():
+        raise ValueError(f"--pd {spec!r}: expected NpMd, e.g. 2P6D")
+    n, m = int(p), int(d[:-1])
+    if n < 1 or m < 1:
+        raise ValueError(f"--pd {spec!r}: both counts must be >= 1")
+    return n, m
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,8 +523,37 @@ def main(argv: list[str] | None = None) -> int:
         help="what the pickers share at once: inflight, picks, inflight+picks, or '' (only the KV events); "
         "comma-separated to compare",
     )
+    p.add_argument(
+        "--pd",
+        default="-",
+        help="prefill/decode splits to compare, comma-separated NpMd (e.g. 2P6D,4P4D); - : aggregated",
+    )
+    p.add_argument(
+        "--pd-decider",
+        default="cost",
+        help="P/D deciders to compare with each split: cost, always, never, token-threshold",
+    )
+    p.add_argument(
+        "--threshold-tokens", type=int, default=512, help="the token-threshold decider's threshold"
+    )
+    p.add_argument("--itl-weight", type=float, default=1.0, help="the cost decider's itl_weight")
+    p.add_argument(
+        "--link-gb-per-s",
+        type=float,
+        default=DEFAULT_LINK_BYTES_PER_S / 1e9,
+        help="KV transfer bandwidth between a prefill and a decode replica, GB/s (one 400 Gb/s NIC)",
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    try:
+        splits = [parse_pd(x) for x in a.pd.split(",")]
+    except ValueError as exc:
+        p.error(str(exc))
+    params: dict[str, dict[str, Any]] = {
+        "cost": {"itl_weight": a.itl_weight},
+        "token-threshold": {"threshold_tokens": a.threshold_tokens},
+    }
+    runs = [(sp, d) for sp in splits for d in (a.pd_decider.split(",") if sp else ["-"])]
     rows = trace.read(a.trace, a.limit)
     profs = [profile(name) for name in a.profile.split(",")]
     router_cfg = load_file(a.config_file) if a.config_file else None
@@ -453,11 +577,27 @@ def main(argv: list[str] | None = None) -> int:
             a.event_delay_s,
             a.pickers,
             frozenset(x for x in sh.split("+") if x),
+            sp,
+            dec,
+            params.get(dec),
+            a.link_gb_per_s * 1e9,
         )
         for mode in a.prefix_mode.split(",")
         for pol in a.policy.split(",")
         for sh in a.share.split(",")
+        for sp, dec in runs
     ]
+    if any(sp for sp, _ in runs):
+        print(
+            f"{'pool':<8}{'decider':<17}{'disagg':>7}{'hit rate':>9}{'TTFT p50':>10}{'p90':>9}"
+            f"{'ITL p50':>9}{'ITL p90':>9}{'req/s':>8}{'prompt tok/s':>13}{'errors':>7}"
+        )
+        for r in results:
+            print(
+                f"{r.pd or 'agg':<8}{r.decider or '-':<17}{r.disaggregated:>7.2f}{r.hit_rate:>9.3f}"
+                f"{r.ttft_p50:>10.3f}{r.ttft_p90:>9.3f}{r.itl_p50 * 1e3:>8.1f}m{r.itl_p90 * 1e3:>8.1f}m"
+                f"{r.throughput_rps:>8.2f}{r.prompt_tokens_per_s:>13.0f}{r.errors:>7}"
+            )
     print(
         f"{'policy':<14}{'prefix':<12}{'share':<16}{'agree':>6}{'hit rate':>9}{'ideal':>7}{'LRU':>7}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
         f"{'req/s':>8}{'prompt tok/s':>13}{'errors':>7}{'wall s':>8}"

@@ -137,6 +137,8 @@ import yaml
 
 DEST = "x-gateway-destination-endpoint"
 REWRITE = ("x-llm-d-model-name-rewrite", "x-gateway-model-name-rewrite")
+PREFILLER = "x-prefiller-host-port"
+"""llm-d's P/D header: the host a decode pod's sidecar sends the prompt to. Only the picker sets it."""
 """The model rewrite header: llm-d-router's current name and its deprecated (GIE) alias."""
 MAX_BODY = 8 * 1024 * 1024
 """The picker's default --max-body-bytes."""
@@ -182,7 +184,8 @@ def _strip_headers(objective_header: str = "pass") -> list[dict[str, Any]]:
     upstream. An early header mutation runs in the connection manager before the route is chosen:
     a filter would run after it, and a forged destination header would already have picked the
     ORIGINAL_DST route (with fail-open and the picker down, that request then had no host).
-    Both spellings of each header go: llm-d's current ``x-llm-d-*`` name and its deprecated
+    llm-d's ``x-prefiller-host-port`` goes too: it names a host the decode pod's P/D sidecar
+    calls, so only the picker may set it. Both spellings of each header go: llm-d's current ``x-llm-d-*`` name and its deprecated
     ``x-gateway-*`` alias (the picker reads either). ``objective_header`` "strip" drops the
     client's ``x-llm-d-inference-objective`` / ``x-gateway-inference-objective`` too (GIE
     lets clients choose it, and so their priority); "pass" keeps it (GIE's behaviour). A route's
@@ -191,7 +194,7 @@ def _strip_headers(objective_header: str = "pass") -> list[dict[str, Any]]:
     mutations: list[dict[str, Any]] = [
         {"remove_on_match": {"key_matcher": {"prefix": p, "ignore_case": True}}} for p in (DEST, "x-envoy-")
     ]
-    mutations += [{"remove": name} for name in REWRITE]
+    mutations += [{"remove": name} for name in (*REWRITE, PREFILLER)]
     if objective_header == "strip":
         mutations += [{"remove": name} for name in OBJECTIVE]
     return [

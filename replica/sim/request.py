@@ -40,7 +40,16 @@ class Request:
     compute. 0 unless that ablation is on."""
     num_preemptions: int = 0
     first_token_at: float | None = None
+    last_token_at: float | None = None
+    """When the last token was sampled."""
+    prev_token_at: float | None = None
+    """When the token before it was sampled: ``last_token_at - prev_token_at`` is the latest
+    inter-token latency."""
     aborted: bool = False
+    kv_loaded: bool = False
+    """P/D: the prompt's KV arrived from a prefill replica; admission computes only the last
+    token (a decode step), as vLLM's decode side with a KV connector. Cleared by a preemption:
+    the KV is then recomputed here."""
 
     def __post_init__(self) -> None:
         assert self.prompt and self.max_tokens > 0, "a request needs a prompt and max_tokens >= 1"

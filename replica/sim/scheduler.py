@@ -8,7 +8,8 @@ Per step, with a budget of ``max_num_batched_tokens`` tokens and at most ``max_n
    that is the request itself, the loop stops.
 2. Only if nothing was preempted: waiting requests. A lookup finds the cached prefix, up to
    ``num_tokens - 1`` (the last token is always computed, so a full hit recomputes its last
-   block). Cached tokens are not charged to the budget. Admission needs free blocks for the
+   block); a request whose KV arrived from a prefill replica (``kv_loaded``, P/D) starts at its
+   last token instead, its other blocks allocated and cached as if computed. Cached tokens are not charged to the budget. Admission needs free blocks for the
    uncached part only, counting hit blocks that sit in the free queue, and (vLLM's default
    ``scheduler_reserve_full_isl``) for the whole sequence, not just the first chunk. The first
    request that cannot be admitted stops the loop.
@@ -123,8 +124,10 @@ class Scheduler:
         bs, pool = self.pool.block_size, self.pool
         hit = pool.lookup(req.hashes, req.tokens, (req.num_tokens - 1) // bs)
         cached = len(hit) * bs
-        req.num_computed = 0 if self.cfg.charge_cached_tokens else cached  # the chunker reads it
-        req.free_until = cached
+        # P/D: a prompt whose KV came over the link starts at its last token (a decode step).
+        start = req.num_tokens - 1 if req.kv_loaded else cached
+        req.num_computed = 0 if self.cfg.charge_cached_tokens and not req.kv_loaded else start
+        req.free_until = start
         n = self._chunk(req, req.num_tokens - req.num_computed, budget)
         evictable = sum(1 for b in hit if b.ref_cnt == 0)  # touching takes them off the free queue
         end = req.num_tokens if self.cfg.reserve_full_sequence else cached + n
@@ -135,7 +138,7 @@ class Scheduler:
         req.blocks, req.num_cached_blocks = list(hit), len(hit)
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = cached
-        if req.num_preemptions == 0:
+        if req.num_preemptions == 0 and not req.kv_loaded:  # loaded KV is no prefix-cache query
             self.queries += req.num_tokens
             self.hits += cached
         self._grow(req, n)
@@ -185,6 +188,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self._free(req)
         req.num_computed = req.free_until = 0
+        req.kv_loaded = False
         req.num_preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(req)
@@ -200,6 +204,7 @@ class Scheduler:
                 req.sample()
                 if req.first_token_at is None:
                     req.first_token_at = now
+                req.prev_token_at, req.last_token_at = req.last_token_at, now
                 produced.append(req)
                 if req.finished:
                     self.running.remove(req)

@@ -65,6 +65,7 @@ def test_every_shipped_config_is_hardened(name: str) -> None:
     assert {m["remove"] for m in removed if "remove" in m} == {
         "x-gateway-model-name-rewrite",
         "x-llm-d-model-name-rewrite",
+        "x-prefiller-host-port",
     }
     proc = ext_proc["typed_config"]
     mode = proc["processing_mode"]
