@@ -119,6 +119,7 @@ def test_disaggregated_request_moves_real_kv_and_decodes_the_same_tokens(
 
     config = tmp_path / "picker.yaml"
     config.write_text("pd: {enabled: true, decider: always}\n")
+    (tmp_path / "stack").mkdir()
     procs = Procs(tmp_path / "stack")
     st = Stack(procs, [])
     try:
