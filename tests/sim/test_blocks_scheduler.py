@@ -174,3 +174,26 @@ def test_a_shared_prefix_is_computed_once() -> None:
         s.add(req([7] * 32 + [k], max_tokens=1))
     run_to_end(s)
     assert s.hits == 3 * 32, "three followers hit the prefix the first one computed"
+
+
+def test_a_request_with_loaded_kv_computes_only_its_last_token_and_caches_the_prompt() -> None:
+    """P/D's decode side: the prompt's KV came from a prefill replica (``kv_loaded``)."""
+    s = Scheduler(BlockPool(32, BS), SchedulerConfig(max_num_batched_tokens=64))
+    r = req(list(range(1, 14)), max_tokens=3)
+    r.kv_loaded = True
+    s.add(r)
+    first = s.schedule()
+    assert first == [(r, 1)], "one token: a decode step, not a prefill"
+    assert s.computed_part(r, 1) == (1, 12)
+    assert (s.queries, s.hits) == (0, 0), "loaded KV is no prefix-cache query"
+    s.update(first, 1.0)
+    assert r.num_output == 1 and r.first_token_at == 1.0
+    s.update(s.schedule(), 2.0)
+    assert (r.prev_token_at, r.last_token_at) == (1.0, 2.0)
+    hit = s.pool.lookup(chain_hashes(list(range(1, 14)), BS), list(range(1, 14)), 3)
+    assert len(hit) == 3, "the loaded prompt's blocks are cached here now"
+    run_to_end(s)
+    local = req(list(range(1, 14)))
+    s.add(local)
+    s.schedule()
+    assert local.num_cached_tokens == 12, "a later request hits the loaded prefix"

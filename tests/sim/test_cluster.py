@@ -121,3 +121,60 @@ def test_cluster_runs_are_reproducible_with_a_seed(tmp_path: pathlib.Path) -> No
     a, b = (simulate(rows, 8, "cost", profile("h100-llama-3.1-8b"), seed=7) for _ in range(2))
     assert {**a.__dict__, "wall_seconds": 0} == {**b.__dict__, "wall_seconds": 0}
     assert 0 < a.hit_rate <= a.lru_hit_rate <= a.ideal_hit_rate
+
+
+def _pd_rows(tmp_path: pathlib.Path, n: int = 24) -> list[trace.Row]:
+    raw = [
+        {
+            "timestamp": 100 * k,
+            "input_length": 2048,
+            "output_length": 16,
+            "hash_ids": [5000 + 4 * k + i for i in range(4)],
+        }
+        for k in range(n)
+    ]
+    return trace.read(write_trace(tmp_path / "pd.jsonl", raw))
+
+
+def test_pd_always_prefills_on_the_prefill_replica_and_decodes_with_loaded_kv(tmp_path: pathlib.Path) -> None:
+    rows = _pd_rows(tmp_path)
+    prof = profile("h100-llama-3.1-8b")
+    fast = simulate(rows, 2, "cost", prof, pd=(1, 1), decider="always", link_bytes_per_s=50e9)
+    assert fast.disaggregated == 1.0 and fast.errors == 0 and fast.pd == "1P1D"
+    c = Cluster(2, "cost", prof, pd=(1, 1))
+    assert [s.endpoint.role for s in c.pool] == ["prefill", "decode"]
+    # The KV transfer is on the TTFT path: 2048 tokens x 128 KiB at 1 MB/s is 268 s.
+    slow = simulate(rows, 2, "cost", prof, pd=(1, 1), decider="always", link_bytes_per_s=1e6)
+    assert slow.ttft_p50 - fast.ttft_p50 > 200, (slow.ttft_p50, fast.ttft_p50)
+    never = simulate(rows, 2, "cost", prof, pd=(1, 1), decider="never")
+    assert never.disaggregated == 0.0 and never.errors == 0
+
+
+def test_pd_cli_compares_splits_and_deciders(tmp_path: pathlib.Path, capsys: object) -> None:
+    path = write_trace(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 50 * k, "input_length": 1024, "output_length": 8, "hash_ids": [k, k + 1]}
+            for k in range(16)
+        ],
+    )
+    out = tmp_path / "r.json"
+    assert (
+        main(
+            [
+                "--trace",
+                path,
+                "--replicas",
+                "4",
+                "--pd=-,1P3D",
+                "--pd-decider",
+                "cost,never",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    results = json.loads(out.read_text())
+    assert [(r["pd"], r["decider"]) for r in results] == [("", ""), ("1P3D", "cost"), ("1P3D", "never")]
+    assert all(r["itl_p90"] > 0 for r in results)
