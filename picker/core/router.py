@@ -375,7 +375,7 @@ class Router:
         cost = self.profile.scorer("cost") or CostScorer()
         assert isinstance(cost, CostScorer)
         candidates = self.pool.routable()
-        return {
+        out: dict[str, object] = {
             "policy": policy or self.profile.name,
             "prompt_tokens_est": cyc.prompt_tokens,
             "blocks": cyc.n_blocks,
@@ -406,6 +406,15 @@ class Router:
                 for e in candidates
             },
         }
+        if decision.pd is not None:
+            v = decision.pd.verdict
+            out["pd"] = {
+                "prefill": decision.prefill.key if decision.prefill is not None else None,
+                "decider": v.reason if v else None,
+                "local_ttft_s": round(v.local_s, 6) if v else None,
+                "remote_ttft_s": round(v.remote_s, 6) if v else None,
+            }
+        return out
 
 
 def _with_miss_penalty(profile: Profile, penalty: float) -> Profile:

@@ -346,3 +346,16 @@ def test_pd_off_sets_no_prefiller_header() -> None:
     keys = {h.header.key for h in resp.request_headers.response.header_mutation.set_headers}
     assert PREFILLER_HEADER not in keys
     ex.close()
+
+
+def test_explain_shows_the_pd_verdict() -> None:
+    router, pool, _ = make("cost")
+    for key in (D1, D2):
+        s = pool.get(key)
+        assert s is not None
+        s.metrics = EndpointMetrics(running=40)
+    doc = router.explain(req(LONG))
+    pd = doc["pd"]
+    assert isinstance(pd, dict) and pd["prefill"] in (P1, P2) and pd["decider"] == "cost"
+    assert pd["remote_ttft_s"] < pd["local_ttft_s"]
+    assert all(s.load.in_flight_requests == 0 for s in pool), "explain commits nothing"
