@@ -114,6 +114,7 @@ class Result:
     decider: str = ""
     itl_p50: float = 0.0
     itl_p90: float = 0.0
+    itl_p99: float = 0.0
     disaggregated: float = 0.0
     """Fraction of the requests sent that were disaggregated."""
 
@@ -456,6 +457,7 @@ def simulate(
         decider if pd else "",
         qi[49],
         qi[89],
+        qi[98],
         c.disaggregated / len(c.sent) if c.sent else 0.0,
     )
 
@@ -590,12 +592,12 @@ def main(argv: list[str] | None = None) -> int:
     if any(sp for sp, _ in runs):
         print(
             f"{'pool':<8}{'decider':<17}{'disagg':>7}{'hit rate':>9}{'TTFT p50':>10}{'p90':>9}"
-            f"{'ITL p50':>9}{'ITL p90':>9}{'req/s':>8}{'prompt tok/s':>13}{'errors':>7}"
+            f"{'ITL p50':>9}{'ITL p90':>9}{'ITL p99':>9}{'req/s':>8}{'prompt tok/s':>13}{'errors':>7}"
         )
         for r in results:
             print(
                 f"{r.pd or 'agg':<8}{r.decider or '-':<17}{r.disaggregated:>7.2f}{r.hit_rate:>9.3f}"
-                f"{r.ttft_p50:>10.3f}{r.ttft_p90:>9.3f}{r.itl_p50 * 1e3:>8.1f}m{r.itl_p90 * 1e3:>8.1f}m"
+                f"{r.ttft_p50:>10.3f}{r.ttft_p90:>9.3f}{r.itl_p50 * 1e3:>8.1f}m{r.itl_p90 * 1e3:>8.1f}m{r.itl_p99 * 1e3:>8.1f}m"
                 f"{r.throughput_rps:>8.2f}{r.prompt_tokens_per_s:>13.0f}{r.errors:>7}"
             )
     print(
