@@ -110,8 +110,9 @@ def _endpoint_flags(p: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--endpoints",
         default=None,
-        metavar="IP:PORT,...",
-        help="a fixed list of model-server endpoints, comma-separated",
+        metavar="IP:PORT[=ROLE],...",
+        help="a fixed list of model-server endpoints, comma-separated; each may name its P/D role "
+        "(=prefill, =decode; none: both; docs/pd.md)",
     )
     d.add_argument(
         "--endpoints-file",
