@@ -53,6 +53,7 @@ def _reserved(name: str) -> bool:
         "x-gateway-inference-objective",
         "x-llm-d-model-name-rewrite",
         "x-llm-d-inference-objective",
+        "x-prefiller-host-port",
     )
 
 

@@ -31,6 +31,7 @@ def forged(other: str) -> list[dict[str, str]]:
         {"x-llm-d-model-name-rewrite": "evil"},
         {"X-LLM-D-Model-Name-Rewrite": "evil", "x-gateway-model-name-rewrite": "evil2"},
         {"x-envoy-original-dst-host": other},
+        {"x-prefiller-host-port": other},  # P/D: a host the decode pod's sidecar would call
         {"x-envoy-upstream-alt-stat-name": "evil", "x-envoy-max-retries": "50", "x-envoy-retry-on": "5xx"},
         {"X-Gateway-Destination-Endpoint": other, "X-Envoy-Original-Dst-Host": other},
         {
