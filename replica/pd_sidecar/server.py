@@ -191,25 +191,26 @@ class Sidecar:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         prefiller = request.headers.get(PREFILLER_HEADER, "").split(",")[0].strip()
         generation = request.method == "POST" and request.path in GENERATION_PATHS
+        body = request.content if request.body_exists else None  # streamed through, never read here
         if not generation:
-            return await self._forward(request, request.content)
+            return await self._forward(request, body)
         if not prefiller:
             self.metrics.requests.labels("passthrough").inc()
-            return await self._forward(request, request.content)
+            return await self._forward(request, body)
         self.metrics.requests.labels("disaggregated").inc()
-        body = await request.read()
+        raw = await request.read()
         try:
-            doc = orjson.loads(body)
+            doc = orjson.loads(raw)
         except orjson.JSONDecodeError:
             doc = None
         if not isinstance(doc, dict):  # vLLM's own answer to a body it cannot use
-            return await self._forward(request, body)
+            return await self._forward(request, raw)
         try:
             kv = await self._prefill(request, prefiller, doc)
         except PrefillFailed as exc:
             self.metrics.fallbacks.labels(exc.reason).inc()
             log.warning("prefill on %s failed (%s): prefilling locally", prefiller, exc.reason)
-            return await self._forward(request, body, leg="decode")
+            return await self._forward(request, raw, leg="decode")
         doc["kv_transfer_params"] = kv
         return await self._forward(request, orjson.dumps(doc), leg="decode")
 
