@@ -117,6 +117,7 @@ presents; ca.crt: the CA the pickers' certificate chains to). */}}
 {{- $p := include "kvpick.picker" . -}}
 {{- $ns := .Release.Namespace -}}
 {{- toYaml (list $p (printf "%s.%s" $p $ns) (printf "%s.%s.svc" $p $ns) (printf "%s.%s.svc.cluster.local" $p $ns) (printf "%s-peers.%s.svc" $p $ns) (printf "%s-peers.%s.svc.cluster.local" $p $ns)) -}}
+{{- end -}}
 
 {{/* A probe whose httpGet/tcpSocket port "http" is replaced by the named port: include
 "kvpick.probePort" (list probe "vllm"). On a P/D decode pod the sidecar owns "http". */}}
