@@ -31,6 +31,9 @@ connections; vLLM aborts a request whose connection closes.
 **Metrics.** ``GET /metrics`` answers the local vLLM's page followed by the sidecar's own
 (``kvpick_sidecar_*``): a picker scraping the decode endpoint reads both in one scrape.
 
+Dependencies: aiohttp and prometheus_client, both vLLM's own (the replica image installs kvpick
+with ``--no-deps`` on vLLM's image), and the standard library's ``json``.
+
 Writers: each counter and histogram is written only by :class:`Sidecar`'s handlers.
 """
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -45,7 +49,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
@@ -200,8 +203,8 @@ class Sidecar:
         self.metrics.requests.labels("disaggregated").inc()
         raw = await request.read()
         try:
-            doc = orjson.loads(raw)
-        except orjson.JSONDecodeError:
+            doc = json.loads(raw)
+        except ValueError:  # not JSON, or not UTF-8
             doc = None
         if not isinstance(doc, dict):  # vLLM's own answer to a body it cannot use
             return await self._forward(request, raw)
@@ -212,7 +215,7 @@ class Sidecar:
             log.warning("prefill on %s failed (%s): prefilling locally", prefiller, exc.reason)
             return await self._forward(request, raw, leg="decode")
         doc["kv_transfer_params"] = kv
-        return await self._forward(request, orjson.dumps(doc), leg="decode")
+        return await self._forward(request, json.dumps(doc).encode(), leg="decode")
 
     async def _prefill(self, request: web.Request, prefiller: str, doc: dict[str, Any]) -> dict[str, Any]:
         """The prefill leg; the ``kv_transfer_params`` for the decode leg. Raises PrefillFailed."""
@@ -231,15 +234,16 @@ class Sidecar:
         outcome = "ok"
         try:
             timeout = aiohttp.ClientTimeout(total=self.cfg.prefill_timeout_s)
-            async with self.session.post(url, data=orjson.dumps(leg), headers=headers, timeout=timeout) as up:
+            data = json.dumps(leg).encode()
+            async with self.session.post(url, data=data, headers=headers, timeout=timeout) as up:
                 answer = await up.read()
                 if up.status >= 500:
                     raise PrefillFailed("status_5xx")
                 if up.status >= 400:
                     raise PrefillFailed("status_4xx")
             try:
-                got = orjson.loads(answer).get("kv_transfer_params")
-            except (orjson.JSONDecodeError, AttributeError) as exc:
+                got = json.loads(answer).get("kv_transfer_params")
+            except (ValueError, AttributeError) as exc:
                 raise PrefillFailed("bad_answer") from exc
             if isinstance(got, dict):
                 return got
