@@ -668,10 +668,91 @@ def _sized_routes(
         out += _twins(
             routes,
             large,
-            _request_body_override("FULL_DUPLEX_STREAMED", response_mode),
+            _request_body_override("FULL_DUPLEX_STREAMED", response_mode) | _no_body_buffer(),
             STREAMED_ROUTE,
         )
     return [*out, *routes]
+
+
+REQUEST_TIMEOUT = "30s"
+"""``--request-timeout``: the whole request (headers and body) must arrive within this, or Envoy
+answers a JSON 408 (module doc, "Slow clients")."""
+MAX_CONNECTIONS = 50_000
+"""``--max-connections``: open downstream connections, all listeners together (the overload
+manager's ``global_downstream_max_connections`` monitor); past it a new one is closed at accept."""
+PICKER_STREAMS = 4096
+"""``--picker-streams``: concurrent ext_proc streams this Envoy opens to the pickers (the picker
+cluster's circuit breaker; Envoy's default is 1,024). The picker's own cap, ``--max-concurrent-streams``,
+is the same 4,096 by default."""
+H2_MAX_STREAMS = 100
+"""Concurrent streams a client may open on one HTTP/2 connection (Envoy's edge guidance)."""
+BUFFER_FILTER = "envoy.filters.http.buffer"
+
+
+def _body_buffer(max_bytes: int) -> dict[str, Any]:
+    """The buffer filter, before ext_proc on BUFFERED routes: Envoy holds the body until it is
+    whole (past ``max_bytes``: 413), and only then does ext_proc open the request's picker stream.
+    A client trickling its body holds a connection and its buffer, never a picker stream."""
+    return {
+        "name": BUFFER_FILTER,
+        "typed_config": {"@type": _T + "filters.http.buffer.v3.Buffer", "max_request_bytes": max_bytes},
+    }
+
+
+def _no_body_buffer() -> dict[str, Any]:
+    """A route's override that turns the buffer filter off (streamed bodies, the 404 route)."""
+    return {BUFFER_FILTER: {"@type": _T + "filters.http.buffer.v3.BufferPerRoute", "disabled": True}}
+
+
+def _slow_request_reply() -> dict[str, Any]:
+    """Envoy's 408 (the request timeout fired before the request was whole) as JSON."""
+    error = {
+        "message": "request not received in time",
+        "type": "request_timeout",
+        "code": 408,
+    }
+    status = {
+        "comparison": {"op": "EQ", "value": {"default_value": 408, "runtime_key": "kvpick.slow_request"}}
+    }
+    return {
+        "filter": {"status_code_filter": status},
+        "body_format_override": {"json_format": {"error": error}, "content_type": "application/json"},
+    }
+
+
+def _overload_manager(max_connections: int, max_heap_bytes: int) -> dict[str, Any]:
+    """The overload manager: at most ``max_connections`` downstream connections (the admin
+    listener exempt); with ``max_heap_bytes`` (the container's memory limit, say), Envoy shrinks
+    its heap at 95% of it and answers new requests 503 at 98% (Envoy's edge guidance)."""
+    monitors: list[dict[str, Any]] = [
+        {
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": _T + "resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                "max_active_downstream_connections": max_connections,
+            },
+        }
+    ]
+    actions: list[dict[str, Any]] = []
+    if max_heap_bytes > 0:
+        heap = "envoy.resource_monitors.fixed_heap"
+        monitors.append(
+            {
+                "name": heap,
+                "typed_config": {
+                    "@type": _T + "resource_monitors.fixed_heap.v3.FixedHeapConfig",
+                    "max_heap_size_bytes": max_heap_bytes,
+                },
+            }
+        )
+        for action, value in (("shrink_heap", 0.95), ("stop_accepting_requests", 0.98)):
+            actions.append(
+                {
+                    "name": f"envoy.overload_actions.{action}",
+                    "triggers": [{"name": heap, "threshold": {"value": value}}],
+                }
+            )
+    return {"refresh_interval": "0.25s", "resource_monitors": monitors, "actions": actions}
 
 
 def _too_large_reply(max_body_bytes: int) -> dict[str, Any]:
@@ -764,9 +845,12 @@ def _hcm(
     access_log: str = "",
     preserve_request_id: bool = False,
     max_request_headers: int = MAX_REQUEST_HEADERS,
+    request_timeout: str = REQUEST_TIMEOUT,
+    body_buffer: int = 0,
 ) -> dict[str, Any]:
+    """The connection manager; ``body_buffer`` > 0 puts the buffer filter (that many bytes) before ext_proc."""
     local_reply = _too_large_reply(max_body_bytes)
-    local_reply["mappers"].append(_too_many_headers_reply())
+    local_reply["mappers"] += [_too_many_headers_reply(), _slow_request_reply()]
     hcm: dict[str, Any] = {
         "@type": _T + "filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "kvpick",
@@ -778,6 +862,12 @@ def _hcm(
         "early_header_mutation_extensions": _strip_headers(objective_header),
         "stream_idle_timeout": idle,
         "request_headers_timeout": "10s",
+        "request_timeout": request_timeout,
+        "http2_protocol_options": {
+            "max_concurrent_streams": H2_MAX_STREAMS,
+            "initial_stream_window_size": 65536,
+            "initial_connection_window_size": 1048576,
+        },
         "common_http_protocol_options": {
             "idle_timeout": "300s",
             "max_headers_count": max(ENVOY_MAX_HEADERS, 2 * max_request_headers),
@@ -790,6 +880,7 @@ def _hcm(
         },
         "http_filters": [
             _header_count_check(max_request_headers),
+            *([_body_buffer(body_buffer)] if body_buffer else []),
             ext_proc,
             *served,
             {
@@ -853,6 +944,10 @@ def render(
     allowed_paths: list[str] | tuple[str, ...] | None = INFERENCE_PATHS,
     max_request_headers: int = MAX_REQUEST_HEADERS,
     client_cert_dir: str = "",
+    request_timeout: str = REQUEST_TIMEOUT,
+    max_connections: int = MAX_CONNECTIONS,
+    picker_streams: int = PICKER_STREAMS,
+    max_heap_bytes: int = 0,
 ) -> dict[str, Any]:
     """The whole Envoy bootstrap. ``body_mode`` is the request body's; ``picker`` is one or more
     comma-separated ext_proc addresses; see the module doc."""
@@ -872,11 +967,17 @@ def render(
     routes = _routes(upstream, retries, stream_idle_timeout, (fallback or []) if failure_open else [])
     if body_mode == "BUFFERED":
         routes = _sized_routes(routes, stream_bodies_over, response_body_mode)
+    buffered = 0  # the largest body Envoy holds whole (BUFFERED routes)
+    if body_mode == "BUFFERED":
+        buffered = min(stream_bodies_over, max_body_bytes) if stream_bodies_over > 0 else max_body_bytes
     if allowed_paths:
         bad = [p for p in allowed_paths if not PATH_CHARS.match(p)]
         if bad:
             raise ValueError(f"--allowed-paths: not a plain absolute path: {bad}")
-        routes = [_not_found_route(allowed_paths), *routes]
+        not_found = _not_found_route(allowed_paths)
+        if buffered:  # answered at the headers, whatever the body does
+            not_found["typed_per_filter_config"] |= _no_body_buffer()
+        routes = [not_found, *routes]
     ext_proc = _ext_proc(picker, failure_open, body_mode, response_body_mode)
     listener: dict[str, Any] = {
         "name": "kvpick",
@@ -896,24 +997,32 @@ def render(
                             access_log,
                             preserve_request_id,
                             max_request_headers,
+                            request_timeout,
+                            buffered,
                         ),
                     }
                 ]
             }
         ],
     }
-    if body_mode == "BUFFERED":  # a buffered body is held whole in Envoy: allow the largest one
-        buffered = min(stream_bodies_over, max_body_bytes) if stream_bodies_over > 0 else max_body_bytes
+    if buffered:  # a buffered body is held whole in Envoy: allow the largest one
         listener["per_connection_buffer_limit_bytes"] = buffered + 64 * 1024
     if client_cert_dir and not tls:
         raise ValueError("--client-cert-dir needs TLS to the picker (drop --plaintext)")
     clusters = [_picker_cluster(pickers, tls, picker_health_interval, client_cert_dir)]
+    clusters[0]["circuit_breakers"] = {
+        "thresholds": [{"max_requests": picker_streams, "max_pending_requests": picker_streams}]
+    }
     clusters.append(_pool_cluster(endpoints or []) if upstream == "pool" else _original_dst_cluster())
     if failure_open and upstream == "original-dst":
         clusters.append(_fallback_cluster(fallback or []))
     return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "admin": {
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}},
+            "ignore_global_conn_limit": True,
+        },
         "static_resources": {"listeners": [listener], "clusters": clusters},
+        "overload_manager": _overload_manager(max_connections, max_heap_bytes),
     }
 
 
@@ -1019,6 +1128,32 @@ def parser() -> argparse.ArgumentParser:
         "path gets a JSON 404 from Envoy and never reaches a replica (a replica's /metrics, /tokenize, "
         "/reset_prefix_cache, ...). Empty: route every path",
     )
+    p.add_argument(
+        "--request-timeout",
+        default=REQUEST_TIMEOUT,
+        help="the whole request (headers and body) must arrive within this, else a JSON 408; "
+        "the response is not limited by it (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        help="open client connections Envoy accepts (the overload manager; default %(default)s)",
+    )
+    p.add_argument(
+        "--picker-streams",
+        type=int,
+        default=PICKER_STREAMS,
+        help="concurrent ext_proc streams to the pickers, one per request in flight (default "
+        "%(default)s, the picker's --max-concurrent-streams); past it a request fails",
+    )
+    p.add_argument(
+        "--max-heap-bytes",
+        type=int,
+        default=0,
+        help="Envoy's memory limit: shrink the heap at 95%% of it, refuse new requests (503) at 98%% "
+        "(default 0: no heap monitor)",
+    )
     p.add_argument("-o", "--output", default="-")
     return p
 
@@ -1050,6 +1185,10 @@ def main(argv: list[str] | None = None) -> int:
             allowed_paths=_split(a.allowed_paths),
             max_request_headers=a.max_request_headers,
             client_cert_dir=a.client_cert_dir,
+            request_timeout=a.request_timeout,
+            max_connections=a.max_connections,
+            picker_streams=a.picker_streams,
+            max_heap_bytes=a.max_heap_bytes,
         )
     except ValueError as err:
         parser().error(str(err))

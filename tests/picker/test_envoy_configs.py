@@ -47,7 +47,7 @@ def test_every_shipped_config_is_hardened(name: str) -> None:
     cfg = _config(name)
     hcm = _hcm(cfg)
     assert hcm["use_remote_address"] is True
-    count, ext_proc, *served, router = hcm["http_filters"]
+    count, buffer, ext_proc, *served, router = hcm["http_filters"]
     # Too many headers: a JSON 431 before ext_proc, under Envoy's own limit with room for the
     # picker's mutation (which ext_proc refuses, 500, past that limit).
     assert count["name"] == "kvpick.header_count" and "LIMIT = 100" in str(count)
@@ -82,6 +82,22 @@ def test_every_shipped_config_is_hardened(name: str) -> None:
     for route in routes:
         assert route["route"]["timeout"] == "0s" and route["route"]["idle_timeout"] == "300s"
         assert "retry_policy" in route["route"]
+    # Slow clients (issue 23 item 4): the body whole within the request timeout (a JSON 408), held
+    # by the buffer filter before ext_proc opens a picker stream (not on streamed routes, nor the
+    # 404); connections and HTTP/2 streams bounded; the picker streams Envoy opens, at the picker's cap.
+    assert hcm["request_timeout"] == "30s" and hcm["http2_protocol_options"]["max_concurrent_streams"] == 100
+    assert buffer["name"] == "envoy.filters.http.buffer"
+    for route in [not_found, *routes]:
+        off = route.get("typed_per_filter_config", {}).get("envoy.filters.http.buffer", {}).get("disabled")
+        streamed = route["name"].endswith(":streamed") or route is not_found
+        assert off is (True if streamed else None), route["name"]
+    [slow] = [m for m in hcm["local_reply_config"]["mappers"] if "408" in str(m["filter"])]
+    assert slow["body_format_override"]["json_format"]["error"]["type"] == "request_timeout"
+    [conns] = cfg["overload_manager"]["resource_monitors"]
+    assert conns["typed_config"]["max_active_downstream_connections"] == 50000
+    assert cfg["admin"]["ignore_global_conn_limit"] is True
+    picker = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "kvpick_picker")
+    assert picker["circuit_breakers"]["thresholds"][0]["max_requests"] == 4096
     clusters = [c for c in cfg["static_resources"]["clusters"] if c["name"] != "kvpick_picker"]
     for c in clusters:
         assert c["upstream_connection_options"]["tcp_keepalive"]["keepalive_time"] == 10

@@ -1,0 +1,50 @@
+"""Slow or stalled clients cannot exhaust the picker (issue 23 item 4). Through a real Envoy in
+each shipped config, the picker and simulated replicas: 400 clients send their headers and then
+trickle the body (300 with a content-length, 100 chunked) while normal requests flow. Every slow
+client gets Envoy's JSON 408 once the request timeout (3 s here) passes, and every normal request
+succeeds. The picker's stream cap is 200 here: a slow client that held a picker stream while it
+trickled (the content-length ones did, before the buffer filter) would fill it and fail the
+normal requests. The full 5,000-client flood is ``python -m bench.reliability slowbody``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+
+import pytest
+
+from bench.reliability import slowbody
+from kvlaunch import Procs
+from kvlaunch.envoy_configs import SHIPPED
+
+pytestmark = [pytest.mark.reliability, pytest.mark.envoy]
+
+
+async def _floods(port: int) -> tuple[slowbody.Outcome, slowbody.Outcome]:
+    sized, chunked = await asyncio.gather(
+        slowbody.flood(port, 300, normal=4, hold_s=20, ramp_per_s=400),
+        slowbody.flood(port, 100, normal=0, hold_s=20, chunked=True, ramp_per_s=200),
+    )
+    return sized, chunked
+
+
+@pytest.mark.parametrize("name", list(SHIPPED))
+def test_slow_bodies_get_408_and_normal_requests_succeed(name: str, tmp_path: pathlib.Path) -> None:
+    procs = Procs(tmp_path)
+    try:
+        st = slowbody.start_stack(
+            procs, 2, ("--request-timeout", "3s"), ("--max-concurrent-streams", "200"), shipped=name
+        )
+        sized, chunked = asyncio.run(_floods(st.envoy_port))
+        counts = slowbody.envoy_stats(st.admin_port, ("kvpick.downstream_rq_timeout",))
+    finally:
+        procs.stop()
+    for out, n in ((sized, 300), (chunked, 100)):
+        assert out.connected == n, out.summary()
+        assert dict(out.slow) == {408: n}, out.summary()
+        err = json.loads(out.slow_bodies[0])["error"]
+        assert err["type"] == "request_timeout" and err["code"] == 408, out.slow_bodies[0]
+    normal = sized.summary()
+    assert normal["normal_sent"] >= 20 and set(sized.normal) == {200}, normal
+    assert counts == {"http.kvpick.downstream_rq_timeout": 400}, counts
