@@ -4,6 +4,12 @@
     python -m bench.reliability faults --repeats 3       # ~6 min
     python -m bench.reliability soak --minutes 10        # ~11 min
     python -m bench.reliability all
+    python -m bench.reliability slowbody --before-tree /tmp/kvpick-before   # ~5 min
+    python -m bench.reliability labels --before-tree /tmp/kvpick-before     # ~1 min
+
+``slowbody`` and ``labels`` run their script (bench/reliability/slowbody.py, labels.py) once with
+this tree and, given ``--before-tree`` (a checkout, e.g. ``git archive COMMIT``), once with that
+tree's picker, launcher and Envoy renderer, for a side-by-side figure.
 
 Each run stores its figures in ``bench/results/reliability.json`` (one section per command) and
 rewrites ``docs/reliability.md`` from that file. Run from the repository root (it reuses
@@ -21,6 +27,7 @@ import pathlib
 import platform
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -103,6 +110,54 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _script(name: str, tree: pathlib.Path, args: Sequence[str] = ()) -> dict[str, Any]:
+    """Run bench/reliability/<name>.py with ``tree`` first on the import path; its JSON line."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, str(ROOT / "bench" / "reliability" / f"{name}.py"), *args]
+    done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{cmd} in {tree} failed:\n{done.stderr[-3000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _trees(before: str) -> list[tuple[str, pathlib.Path]]:
+    return [("after", ROOT), *([("before", pathlib.Path(before))] if before else [])]
+
+
+def run_slowbody(slow: int, repeats: int, before: str, timeout: str, chunked: bool) -> dict[str, Any]:
+    hold = "30"
+    out: dict[str, Any] = {
+        "command": f"python -m bench.reliability slowbody --slow {slow} --repeats {repeats} "
+        f"--request-timeout {timeout}"
+        + (" --chunked" if chunked else "")
+        + (" --before-tree PATH" if before else ""),
+        "slow": slow,
+        "chunked": chunked,
+        "request_timeout": timeout,
+        "hold_s": float(hold),
+    }
+    for label, tree in _trees(before):
+        args = ["--slow", str(slow), "--hold", hold] + (["--chunked"] if chunked else [])
+        if label == "after":
+            args += ["--render-args", f"--request-timeout {timeout}"]
+        runs = []
+        for _ in range(repeats):
+            runs.append(_script("slowbody", tree, args))
+            print(f"slowbody {label}: {json.dumps(runs[-1])}", flush=True)
+        out[label] = {"runs": runs, "median": _medians(runs)}
+    return out
+
+
+def run_labels(before: str) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "command": "python -m bench.reliability labels" + (" --before-tree PATH" if before else "")
+    }
+    for label, tree in _trees(before):
+        out[label] = _script("labels", tree)
+        print(f"labels {label}: {json.dumps(out[label])}", flush=True)
+    return out
+
+
 def run_soak(
     minutes: float,
     fraction: float,
@@ -137,7 +192,7 @@ def run_soak(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["fuzz", "faults", "soak", "all", "report"])
+    p.add_argument("what", choices=["fuzz", "faults", "soak", "slowbody", "labels", "all", "report"])
     p.add_argument("--cases", type=int, default=100_000)
     p.add_argument("--seed", type=int, default=20261123)
     p.add_argument("--concurrency", type=int, default=64)
@@ -157,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--picker-args", default="", help="soak: extra picker flags (one string)")
     p.add_argument("--envoy-args", default="", help="soak: extra render.py flags (one string)")
     p.add_argument("--label", default="", help="soak: store the figures under soak_<label>")
+    p.add_argument("--slow", type=int, default=5000, help="slowbody: slow clients")
+    p.add_argument("--request-timeout", default="10s", help="slowbody: render.py --request-timeout")
+    p.add_argument("--chunked", action="store_true", help="slowbody: the slow bodies sent chunked")
+    p.add_argument(
+        "--before-tree", default="", help="slowbody, labels: a checkout to measure too, as the before"
+    )
     a = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -166,6 +227,14 @@ def main(argv: list[str] | None = None) -> int:
         _save(results)
     if a.what in ("fuzz", "all"):
         results["fuzz"] = run_fuzz(a.cases, a.seed, a.concurrency, a.drawn_fraction) | {"machine": machine}
+        _save(results)
+    if a.what == "slowbody":
+        key = "slowbody_chunked" if a.chunked else "slowbody"
+        got = run_slowbody(a.slow, a.repeats, a.before_tree, a.request_timeout, a.chunked)
+        results[key] = got | {"machine": machine}
+        _save(results)
+    if a.what == "labels":
+        results["labels"] = run_labels(a.before_tree) | {"machine": machine}
         _save(results)
     if a.what in ("soak", "all"):
         key = f"soak_index_{a.index_capacity}" if a.index_capacity else "soak"

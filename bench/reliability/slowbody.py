@@ -58,6 +58,30 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     return status, await reader.readexactly(length) if length else b""
 
 
+def post_chunked(port: int, body: bytes, timeout: float = 30.0) -> tuple[int, bytes]:
+    """POST ``body`` chunked (no content-length), at once; the status and the whole answer's body
+    (the connection closes after it)."""
+    import socket
+
+    wire = _head(None) + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    got = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(wire)
+        while chunk := s.recv(65536):
+            got += chunk
+    head, _, rest = got.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" in head.lower():  # undo the response's chunking
+        out = b""
+        while rest:
+            size, _, rest = rest.partition(b"\r\n")
+            n = int(size, 16)
+            if n == 0:
+                break
+            out, rest = out + rest[:n], rest[n + 2 :]
+        rest = out
+    return int(head.split(b" ", 2)[1]), rest
+
+
 @dataclass
 class Outcome:
     """What one flood saw."""

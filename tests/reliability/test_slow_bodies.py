@@ -15,7 +15,7 @@ import pathlib
 import pytest
 
 from bench.reliability import slowbody
-from kvlaunch import Procs
+from kvlaunch import Procs, http, stack
 from kvlaunch.envoy_configs import SHIPPED
 
 pytestmark = [pytest.mark.reliability, pytest.mark.envoy]
@@ -48,3 +48,15 @@ def test_slow_bodies_get_408_and_normal_requests_succeed(name: str, tmp_path: pa
     normal = sized.summary()
     assert normal["normal_sent"] >= 20 and set(sized.normal) == {200}, normal
     assert counts == {"http.kvpick.downstream_rq_timeout": 400}, counts
+
+
+def test_the_request_timeout_ends_at_the_request(tmp_path: pathlib.Path) -> None:
+    """Envoy disarms the request timeout once the request is whole: a response streamed for longer
+    (3 s of SSE against a 1 s timeout) arrives complete, through the buffered and the streamed
+    (chunked) routes alike."""
+    with stack(tmp_path, envoy_args=("--request-timeout", "1s")) as st:
+        doc = {"model": "m", "prompt": "p", "stream": True, "chunks": 15, "delay": 0.2}
+        status, body, _ = http("POST", st.url + "/v1/completions", json.dumps(doc).encode())
+        assert status == 200 and body.endswith(b"data: [DONE]\n\n") and body.count(b"data:") == 16, body
+        status, body = slowbody.post_chunked(st.envoy_port, json.dumps(doc).encode())
+        assert status == 200 and body.endswith(b"data: [DONE]\n\n") and body.count(b"data:") == 16, body
