@@ -159,6 +159,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="extra arguments for every replica (python -m replica.sim), e.g. "
         "'--profile h100-llama-3.1-8b --time-scale 0.1'",
     )
+    p.add_argument(
+        "--request-timeout",
+        default="30s",
+        help="Envoy answers a JSON 408 to a request not received whole within this "
+        "(render.py --request-timeout)",
+    )
+    p.add_argument(
+        "--envoy-args",
+        default="",
+        help="extra render.py flags for Envoy's config, e.g. '--max-connections 1000 --picker-streams 512'",
+    )
     p.add_argument("--run-dir", default=str(ROOT / ".run"), help="logs and generated configs")
     p.add_argument(
         "--status-interval",
@@ -206,7 +217,15 @@ def start(args: argparse.Namespace, procs: Procs) -> list[int]:
         debug_port=args.metrics_port + 1,  # a local stack: the debug API on loopback, next to metrics
     )
     st.start_picker("--policy", args.policy)
-    st.start_envoy("--upstream", "pool", "--endpoints", ",".join(st.addresses))
+    st.start_envoy(
+        "--upstream",
+        "pool",
+        "--endpoints",
+        ",".join(st.addresses),
+        "--request-timeout",
+        args.request_timeout,
+        *shlex.split(args.envoy_args),
+    )
     for port in ports:
         wait_port(port, 60, procs=procs)
     return ports

@@ -117,6 +117,21 @@ reads it. Envoy writes the file out every 10 s unless started with ``--file-flus
 id names the request in the client's records, this log, the picker's and the model server's (off by
 default: an id is then the gateway's, unique, not whatever a client chose).
 
+Slow clients (every config): a client that sends its headers and then trickles the body must not
+hold what other requests need. On BUFFERED routes the buffer filter, placed before ext_proc, holds
+the body until it is whole, so the request's picker stream opens only then; before, each such
+client held a picker stream for as long as it trickled, and Envoy's default circuit breaker on the
+picker cluster (1,024 requests) refused every other request past 1,024 of them (500). The whole
+request must arrive within ``--request-timeout`` (30 s; Envoy's ``request_timeout``, disarmed once
+the last byte of the request is received, so a response may stream for as long as it takes), else
+Envoy answers a JSON 408; a chunked or large body (the streamed routes) holds its picker stream
+until then. That 408, like Envoy's other local replies, passes through ext_proc's response path:
+one short picker stream per slow client. The picker cluster allows ``--picker-streams`` (4,096,
+the picker's own default cap) concurrent streams; the overload manager caps open client connections
+at ``--max-connections`` (50,000; the admin listener exempt) and, given ``--max-heap-bytes``, shrinks
+the heap at 95% of it and refuses new requests at 98%; a client may open 100 streams on one HTTP/2
+connection.
+
 Timeouts: no total route timeout (a generation may stream for many minutes); a stream with no bytes
 either way for ``--stream-idle-timeout`` (300 s, GIE's HTTPRoute request timeout) is reset; request
 headers must arrive in 10 s; idle downstream connections close after 300 s and idle upstream ones

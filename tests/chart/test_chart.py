@@ -47,6 +47,7 @@ UNCHECKED = {
     "GCPBackendPolicy",
     "Certificate",
     "Issuer",
+    "ClientTrafficPolicy",
 }
 
 GATEWAY = {"create": True, "port": 80}
@@ -372,9 +373,11 @@ def test_providers(provider: str) -> None:
     assert backend == {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": RELEASE}
     assert ("timeouts" in route["spec"]["rules"][0]) is (provider != "gke")
     extra = {d["kind"] for d in docs} & UNCHECKED
-    assert extra == {"istio": {"DestinationRule"}, "gke": {"HealthCheckPolicy", "GCPBackendPolicy"}}.get(
-        provider, set()
-    )
+    assert extra == {
+        "istio": {"DestinationRule"},
+        "gke": {"HealthCheckPolicy", "GCPBackendPolicy"},
+        "envoy-gateway": {"ClientTrafficPolicy"},
+    }.get(provider, set())
     if provider == "istio":
         dr = one(docs, "DestinationRule")
         assert dr["spec"]["host"] == f"{RELEASE}-picker.{NS}.svc.cluster.local"

@@ -376,13 +376,15 @@ def test_ports_the_stack_would_bind_twice_are_refused() -> None:
 @pytest.mark.envoy
 def test_make_run_piped_prints_status_lines_and_envoy_listens_on_loopback(tmp_path: pathlib.Path) -> None:
     """Stdout a pipe (``make run | tee log``): a plain status line keeps coming, every
-    ``--status-interval``; Envoy's listener is bound to 127.0.0.1 only."""
+    ``--status-interval``; Envoy's listener is bound to 127.0.0.1 only; ``--request-timeout`` and
+    ``--envoy-args`` reach Envoy's config."""
     ports, base, args = _stack_args(1)
     args.remove("--once")
     proc = subprocess.Popen(
         [
             *(PY, "-m", "kvlaunch.run", "--replicas=1", "--sim-args=--profile cpu-test"),
             *("--status-interval=0.3", f"--run-dir={tmp_path}", *args),
+            *("--request-timeout=7s", "--envoy-args=--max-connections 999"),
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -397,6 +399,8 @@ def test_make_run_piped_prints_status_lines_and_envoy_listens_on_loopback(tmp_pa
         lines = [ln for ln in out.decode().splitlines() if ln.startswith("[")]
         assert len(lines) >= 2 and "\x1b" not in out.decode(), out
         assert _open(("127.0.0.1", ports["port"])) and not _open(("127.0.0.2", ports["port"]))
+        config = (tmp_path / "envoy.yaml").read_text()  # the slow-client limits reach make run's Envoy
+        assert "request_timeout: 7s" in config and "max_active_downstream_connections: 999" in config
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGINT)
