@@ -293,9 +293,11 @@ class PeakGauge:
 COUNTERS = (
     "kvpick.downstream_rq_timeout",
     "kvpick.downstream_cx_overload_reject",
-    "kvpick_picker.upstream_rq_pending_overflow",
+    "kvpick_picker.upstream_rq_503",
     "kvpick_picker.upstream_rq_total",
     "kvpick_picker.health_check.failure",
+    "kvpick_picker_streamed.upstream_rq_503",
+    "kvpick_picker_streamed.upstream_rq_total",
     "ext_proc.streams_started",
 )
 """Envoy's counters a flood reports (suffixes of their names)."""

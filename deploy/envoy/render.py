@@ -704,6 +704,32 @@ H2_MAX_STREAMS = 100
 BUFFER_FILTER = "envoy.filters.http.buffer"
 
 
+STREAMED_PICKER = "kvpick_picker_streamed"
+
+
+def _stream_cap(streams: int) -> dict[str, Any]:
+    return {"thresholds": [{"max_requests": streams, "max_pending_requests": streams}]}
+
+
+def _streamed_picker_cluster(
+    picker: dict[str, Any], ext_proc: dict[str, Any], routes: list[dict[str, Any]], streams: int
+) -> dict[str, Any]:
+    """The streamed routes' own picker cluster: the same pickers, health checks and transport, with
+    its own cap of ``streams``. A streamed body (chunked, or 1 MiB and more) holds its picker stream
+    while it arrives; slow ones fill this cap, never the one the BUFFERED routes' requests use.
+    Points the streamed routes' ext_proc override (in ``routes``) at it."""
+    cluster = copy.deepcopy(picker)
+    cluster["name"] = cluster["load_assignment"]["cluster_name"] = STREAMED_PICKER
+    cluster["circuit_breakers"] = _stream_cap(streams)
+    service = copy.deepcopy(ext_proc["typed_config"]["grpc_service"])
+    service["envoy_grpc"]["cluster_name"] = STREAMED_PICKER
+    for route in routes:
+        if route["name"].endswith(":" + STREAMED_ROUTE):
+            overrides = route["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]
+            overrides["grpc_service"] = copy.deepcopy(service)
+    return cluster
+
+
 def _body_buffer(max_bytes: int) -> dict[str, Any]:
     """The buffer filter, before ext_proc on BUFFERED routes: Envoy holds the body until it is
     whole (past ``max_bytes``: 413), and only then does ext_proc open the request's picker stream.
@@ -1025,9 +1051,9 @@ def render(
     if client_cert_dir and not tls:
         raise ValueError("--client-cert-dir needs TLS to the picker (drop --plaintext)")
     clusters = [_picker_cluster(pickers, tls, picker_health_interval, client_cert_dir)]
-    clusters[0]["circuit_breakers"] = {
-        "thresholds": [{"max_requests": picker_streams, "max_pending_requests": picker_streams}]
-    }
+    clusters[0]["circuit_breakers"] = _stream_cap(picker_streams)
+    if any(r["name"].endswith(":" + STREAMED_ROUTE) for r in routes):
+        clusters.append(_streamed_picker_cluster(clusters[0], ext_proc, routes, picker_streams // 4))
     clusters.append(_pool_cluster(endpoints or []) if upstream == "pool" else _original_dst_cluster())
     if failure_open and upstream == "original-dst":
         clusters.append(_fallback_cluster(fallback or []))

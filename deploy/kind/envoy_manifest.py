@@ -42,9 +42,9 @@ def envoy_config(picker: str, tls: bool, listen_port: int, client_cert_dir: str 
         listen_port=listen_port, picker=picker, tls=tls, client_cert_dir=client_cert_dir
     )
     resources = cfg["static_resources"]
-    picker_cluster = next(c for c in resources["clusters"] if c["name"] == "kvpick_picker")
-    picker_cluster["type"] = "STRICT_DNS"
-    picker_cluster["dns_lookup_family"] = "V4_ONLY"
+    for picker_cluster in (c for c in resources["clusters"] if c["name"].startswith("kvpick_picker")):
+        picker_cluster["type"] = "STRICT_DNS"  # both: the streamed routes' cluster too
+        picker_cluster["dns_lookup_family"] = "V4_ONLY"
     hcm = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     vhost = hcm["route_config"]["virtual_hosts"][0]
     vhost["response_headers_to_add"] = [

@@ -96,9 +96,19 @@ def test_every_shipped_config_is_hardened(name: str) -> None:
     [conns] = cfg["overload_manager"]["resource_monitors"]
     assert conns["typed_config"]["max_active_downstream_connections"] == 50000
     assert cfg["admin"]["ignore_global_conn_limit"] is True
-    picker = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "kvpick_picker")
-    assert picker["circuit_breakers"]["thresholds"][0]["max_requests"] == 4096
-    clusters = [c for c in cfg["static_resources"]["clusters"] if c["name"] != "kvpick_picker"]
+    pickers = {
+        c["name"]: c for c in cfg["static_resources"]["clusters"] if c["name"].startswith("kvpick_picker")
+    }
+    assert pickers["kvpick_picker"]["circuit_breakers"]["thresholds"][0]["max_requests"] == 4096
+    streamed = [r for r in routes if r["name"].endswith(":streamed")]
+    if streamed:  # streamed bodies' picker streams on their own cluster, capped lower
+        assert pickers["kvpick_picker_streamed"]["circuit_breakers"]["thresholds"][0]["max_requests"] == 1024
+        assert pickers["kvpick_picker_streamed"]["health_checks"] == pickers["kvpick_picker"]["health_checks"]
+    assert set(pickers) == {"kvpick_picker", *(["kvpick_picker_streamed"] if streamed else [])}
+    for route in streamed:
+        service = route["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]["grpc_service"]
+        assert service["envoy_grpc"]["cluster_name"] == "kvpick_picker_streamed"
+    clusters = [c for c in cfg["static_resources"]["clusters"] if c["name"] not in pickers]
     for c in clusters:
         assert c["upstream_connection_options"]["tcp_keepalive"]["keepalive_time"] == 10
         opts = c["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]

@@ -4,7 +4,9 @@ trickle the body (300 with a content-length, 100 chunked) while normal requests 
 client gets Envoy's JSON 408 once the request timeout (3 s here) passes, and every normal request
 succeeds. The picker's stream cap is 200 here: a slow client that held a picker stream while it
 trickled (the content-length ones did, before the buffer filter) would fill it and fail the
-normal requests. The full 5,000-client flood is ``python -m bench.reliability slowbody``."""
+normal requests. Chunked slow bodies hold a picker stream until the timeout, on the streamed routes' own picker
+cluster, whose cap (a quarter of ``--picker-streams``) they fill without touching the buffered
+routes'. The full 5,000-client flood is ``python -m bench.reliability slowbody``."""
 
 from __future__ import annotations
 
@@ -60,3 +62,28 @@ def test_the_request_timeout_ends_at_the_request(tmp_path: pathlib.Path) -> None
         assert status == 200 and body.endswith(b"data: [DONE]\n\n") and body.count(b"data:") == 16, body
         status, body = slowbody.post_chunked(st.envoy_port, json.dumps(doc).encode())
         assert status == 200 and body.endswith(b"data: [DONE]\n\n") and body.count(b"data:") == 16, body
+
+
+def test_a_chunked_flood_fills_only_the_streamed_routes_picker_streams(tmp_path: pathlib.Path) -> None:
+    """300 slow chunked clients against ``--picker-streams 200`` (streamed routes: 50): 50 hold a
+    stream until their 408, the rest are refused at once (Envoy's 500, as with the picker down),
+    and the normal (buffered) requests all succeed. With one cap for both, the 300 would hold all
+    200 and fail every normal request."""
+    procs = Procs(tmp_path)
+    try:
+        st = slowbody.start_stack(
+            procs,
+            2,
+            ("--request-timeout", "3s", "--picker-streams", "200"),
+            ("--max-concurrent-streams", "400"),
+        )
+        out = asyncio.run(
+            slowbody.flood(st.envoy_port, 300, normal=4, hold_s=20, chunked=True, ramp_per_s=600)
+        )
+        counts = slowbody.envoy_stats(st.admin_port, ("kvpick_picker_streamed.upstream_rq_503",))
+    finally:
+        procs.stop()
+    summary = out.summary()
+    assert set(out.slow) <= {408, 500} and out.slow[408] >= 40 and out.slow[500] >= 200, summary
+    assert sum(counts.values()) >= 200, counts
+    assert summary["normal_sent"] >= 20 and set(out.normal) == {200}, summary
