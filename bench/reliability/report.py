@@ -33,7 +33,20 @@ What `make test` runs (tests/reliability/):
   `flock /tmp/kvpick-heavy.lock pytest -q tests/reliability/test_header_limits.py`.
 - `test_metric_labels.py`: 1 MiB, NUL-laden and 300 distinct client model names through Envoy add
   under 64 KB to the picker's `/metrics`, with no NUL: they all count as `other`.
+- `test_slow_bodies.py`: in every shipped config, 300 clients trickling a body with a
+  content-length and 100 chunked, beside normal requests, with the picker capped at 200 streams:
+  every slow client gets the JSON 408 after the (3 s) request timeout, every normal request a 200;
+  300 slow chunked clients against `--picker-streams 200` fill only the streamed routes' 50; a
+  3 s SSE response under a 1 s request timeout arrives whole. About 40 s.
 - `test_faults.py`: each fault below once, with loose bounds.
+
+Every one of these runs Envoy → picker over mTLS (`kvlaunch.Stack` makes a throwaway CA, the picker
+requires its client certificate, the rendered config presents it). tests/picker/test_mtls.py checks
+the lock itself: a direct ext_proc connection with no client certificate, or with another CA's, is
+refused at the handshake (`UNAVAILABLE`), the gateway's certificate gets a routing answer, Envoy
+routes, the kubelet's plaintext health port answers; the debug API gives 401 without a token, 401
+with a wrong one and 200 with the right one (and `/metrics` likewise with `--metrics-token-file`).
+tests/chart/test_chart_tls.py does the same with the chart's generated Secrets.
 
 Found by these runs, and fixed:
 
@@ -55,6 +68,16 @@ Found by these runs, and fixed:
   the rest count as `other` (the same names add 330 bytes).
 - Every path went to the replicas, `/reset_prefix_cache` and the simulator's `/admin/fault`
   included; the gateway now routes the inference API only.
+- The ext_proc port took any client, with or without a certificate: a pod that connected directly
+  read routing decisions and held streams that counted as load. The picker now requires the
+  gateway's client certificate when given a CA (`--client-ca-path`; the chart's default with a
+  gateway it can hand the certificate to), and the debug API a bearer token
+  ([operations.md](operations.md#mtls-only-the-gateway-talks-to-the-picker)).
+- Slow bodies held picker streams: each client trickling a body held one for as long as it
+  trickled, and Envoy's default circuit breaker on the picker cluster (1,024 requests, under the
+  picker's own 4,096) then refused every other request with a 500. A buffer filter before ext_proc
+  now holds buffered bodies until whole, a request timeout answers 408, streamed bodies have their
+  own picker cluster, and the caps are explicit ([Slow clients](#slow-clients)).
 - The test upstream answered 500 to fuzzed `chunks`/`delay` fields and deep JSON; it no longer does
   (a test double's bug, not the picker's, but it would have hidden real 5xx).
 """
@@ -277,6 +300,95 @@ def _soak(s: dict[str, Any]) -> list[str]:
     ]
 
 
+SLOW_ROWS = (
+    ("normal_success_pct", "normal requests answered 200 (%)"),
+    ("normal_p99_ms", "their p99 (ms)"),
+    ("normal_sent", "normal requests sent"),
+    ("slow_408", "slow clients answered 408"),
+    ("peak_picker_streams", "most picker streams open at once"),
+    ("seconds", "flood duration (s)"),
+)
+
+
+SLOW_READING = {
+    "Slow clients": [
+        "Reading: before, the first 1,024 slow clients each held a picker stream (Envoy's default",
+        "circuit breaker on the picker cluster: 1,024 requests) and nothing ever timed them out; every",
+        "other request, slow or normal, got Envoy's 500 at once, hence the many normal requests sent.",
+        "After, the buffer filter holds each slow body and no picker stream opens for it until Envoy's",
+        "408; that 408 passes ext_proc's response path (one short picker stream each), which is the peak",
+        "of picker streams seen as the 5,000 time out within 2.5 s. 3 of 15,000 slow clients got a 500",
+        "instead of the 408 in one run; which component answered it was not found.",
+    ],
+}
+
+
+def _slowbody(f: dict[str, Any], title: str) -> list[str]:
+    sides = [k for k in ("before", "after") if k in f]
+    lines = [
+        f"## {title}",
+        "",
+        f"`{f['command']}` ({f['machine']})",
+        "",
+        f"{f['slow']:,} raw loopback sockets each send a completion's headers"
+        + (" (chunked)" if f.get("chunked") else " (a 4 KiB content-length)"),
+        f"and then one byte of the body a second, giving up after {f['hold_s']:g} s; four clients send small",
+        "completions back to back meanwhile (a new connection each), through Envoy (the default config;",
+        f"after: `--request-timeout {f['request_timeout']}`), the picker and two simulated replicas. Before is main",
+        "without the change (`8e164e8`). Median [min–max] of the runs; the p99 is of the 200s.",
+        "",
+        "| figure | " + " | ".join(sides) + " |",
+        "|---|" + "---|" * len(sides),
+    ]
+    for key, label in SLOW_ROWS:
+        lines.append(f"| {label} | " + " | ".join(_cell(f[s]["median"].get(key, "-")) for s in sides) + " |")
+    for side in sides:
+        statuses: dict[str, int] = {}
+        for run in f[side]["runs"]:
+            for k, v in run["slow_statuses"].items():
+                statuses[k] = statuses.get(k, 0) + v
+        shown = ", ".join(f"{'no answer' if k == '0' else k}: {v:,}" for k, v in sorted(statuses.items()))
+        lines.append(f"| slow clients' answers, {side}, all runs | {shown} |" + " |" * (len(sides) - 1))
+    return [*lines, "", *SLOW_READING.get(title, []), ""]
+
+
+def _labels(f: dict[str, Any]) -> list[str]:
+    sides = [k for k in ("before", "after") if k in f]
+    rows = (
+        ("metrics_bytes_before", "`/metrics` bytes before the attack"),
+        ("metrics_bytes_after", "`/metrics` bytes after it"),
+        ("nul_bytes_after", "NUL bytes in it"),
+        ("longest_line_after", "longest line (bytes)"),
+    )
+    lines = [
+        "## Label attack",
+        "",
+        f"`{f['command']}` ({f['machine']})",
+        "",
+        "Through Envoy and the picker (two fake replicas serving `m`): nine requests whose model names",
+        "are 1 MiB each, one with a 10 KB NUL-laden name, one `\\0`, one `m\\0`. Before is the commit",
+        "before the bounded labels (`6de09cd`).",
+        "",
+        "| figure | " + " | ".join(sides) + " |",
+        "|---|" + "---|" * len(sides),
+    ]
+    lines += [f"| {label} | " + " | ".join(_num(f[s][key]) for s in sides) + " |" for key, label in rows]
+    return [*lines, ""]
+
+
+CHUNKED_PROMPTS = """## Chunked prompts as load
+
+Measured when the fix landed (`57e9459`; not re-run here): `python -m bench.body_load --replicas 2`,
+16 small requests beside a ~6.8 s prompt, under the lock, against main before the fix and after.
+
+| long prompt | small requests' p90 | small requests over 1 s |
+|---|---|---|
+| content-length, before and after | 0.03 s | 0 of 16 |
+| chunked, before | 5.83 s | 4 of 16 |
+| chunked, after | 0.03 s | 0 of 16 |
+"""
+
+
 def render(results: dict[str, Any]) -> str:
     parts = [HEAD]
     soaks = sorted(k for k in results if k.startswith("soak"))
@@ -287,5 +399,12 @@ def render(results: dict[str, Any]) -> str:
             parts.append(f"## {key.title()}\n\nNot run yet: `python -m bench.reliability {key}`.\n")
     if soaks:
         parts.append("\n".join(SOAK_READING))
+    if "slowbody" in results:
+        parts.append("\n".join(_slowbody(results["slowbody"], "Slow clients")))
+    if "slowbody_chunked" in results:
+        parts.append("\n".join(_slowbody(results["slowbody_chunked"], "Slow clients, chunked")))
+    if "labels" in results:
+        parts.append("\n".join(_labels(results["labels"])))
+    parts.append(CHUNKED_PROMPTS)
     parts.append(LARGE_BODIES)
     return "\n".join(parts)

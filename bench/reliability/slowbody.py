@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -322,12 +323,18 @@ def run(
     with tempfile.TemporaryDirectory() as tmp:
         procs = Procs(pathlib.Path(tmp))
         try:
-            st = start_stack(procs, replicas, render_args)
+            log = pathlib.Path(tmp) / "access.log"
+            st = start_stack(procs, replicas, (*render_args, "--access-log", str(log)))
             started = time.monotonic()
             with PeakGauge(st.admin_port, "cluster.kvpick_picker.upstream_rq_active") as gauge:
                 out = asyncio.run(flood(st.envoy_port, slow, normal, hold_s, trickle_s, chunked))
             took = time.monotonic() - started
             stats = envoy_stats(st.admin_port, COUNTERS)
+            time.sleep(0.5)  # Envoy flushes its access log every 250 ms here
+            answers = collections.Counter(
+                f"{line['status']} {line.get('details', '')}"
+                for line in map(json.loads, log.read_text().splitlines())
+            )
             alive = all(p.poll() is None for _, p in procs.procs)
         finally:
             procs.stop()
@@ -335,13 +342,13 @@ def run(
         "seconds": round(took, 1),
         "peak_picker_streams": gauge.peak,
         "envoy": stats,
+        "envoy_answers": dict(answers.most_common()),
         "all_alive": alive,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import json
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slow", type=int, default=5000)
