@@ -67,6 +67,8 @@ def run_fuzz(cases: int, seed: int, concurrency: int, drawn: float) -> dict[str,
         "failures": tally.failures,
         "picker_alive": alive,
         "picker_crash_lines": len(crashes),
+        "envoy_config": "render.py's defaults (path allowlist, header limits, slow-client limits)"
+        + (", mTLS to the picker" if st.client_cert_args else ""),
         "in_flight_after": in_flight,
     }
 

@@ -104,6 +104,7 @@ def _fuzz(f: dict[str, Any]) -> list[str]:
         "",
         f"`{f['command']}` ({f['machine']})",
         "",
+        *([f"Envoy's config: {f['envoy_config']}.", ""] if "envoy_config" in f else []),
         f"{f.get('drawn_by_hypothesis', 0):,} cases are drawn by hypothesis strategies (OpenAI-shaped bodies whose every",
         "field may also be arbitrary JSON; header sets of reserved and client headers; each body then",
         "possibly truncated, spliced with invalid UTF-8, nested deep, given a huge or non-finite",
