@@ -306,7 +306,7 @@ SLOW_ROWS = (
     ("normal_p99_ms", "their p99 (ms)"),
     ("normal_sent", "normal requests sent"),
     ("slow_408", "slow clients answered 408"),
-    ("peak_picker_streams", "most picker streams open at once"),
+    ("peak_picker_streams", "most streams open on `kvpick_picker` at once (every 0.2 s)"),
     ("seconds", "flood duration (s)"),
 )
 
@@ -317,9 +317,20 @@ SLOW_READING = {
         "circuit breaker on the picker cluster: 1,024 requests) and nothing ever timed them out; every",
         "other request, slow or normal, got Envoy's 500 at once, hence the many normal requests sent.",
         "After, the buffer filter holds each slow body and no picker stream opens for it until Envoy's",
-        "408; that 408 passes ext_proc's response path (one short picker stream each), which is the peak",
-        "of picker streams seen as the 5,000 time out within 2.5 s. 3 of 15,000 slow clients got a 500",
-        "instead of the 408 in one run; which component answered it was not found.",
+        "408 (`request_overall_timeout` in the access log, every one); that 408 passes ext_proc's",
+        "response path (one short picker stream each), which is the peak of picker streams seen as the",
+        "5,000 time out within 2.5 s. Envoy's health checks of the picker failed 0 times. An earlier",
+        "run of the same command (before the access log carried the details) gave 3 of 5,000 slow",
+        "clients a 500 instead of the 408; which component answered it was not found.",
+    ],
+    "Slow clients, chunked": [
+        "Reading: a chunked body takes a streamed route, whose picker stream opens at the headers, so",
+        "each slow chunked client holds one until its 408. After, those streams come from the streamed",
+        "routes' own picker cluster (`kvpick_picker_streamed`, a quarter of `--picker-streams`: 1,024):",
+        "1,024 held one and got the 408, the other 3,976 were refused at once with Envoy's 500",
+        "(`ext_proc_error_gRPC_error_14 ... overflow`, the fail-close answer, as with the picker down),",
+        "and every normal request, on the buffered routes, got its 200. While such a flood lasts, other",
+        "chunked or 1 MiB+ requests are refused too.",
     ],
 }
 
