@@ -319,9 +319,10 @@ SLOW_READING = {
         "After, the buffer filter holds each slow body and no picker stream opens for it until Envoy's",
         "408 (`request_overall_timeout` in the access log, every one); that 408 passes ext_proc's",
         "response path (one short picker stream each), which is the peak of picker streams seen as the",
-        "5,000 time out within 2.5 s. Envoy's health checks of the picker failed 0 times. An earlier",
-        "run of the same command (before the access log carried the details) gave 3 of 5,000 slow",
-        "clients a 500 instead of the 408; which component answered it was not found.",
+        "5,000 time out within 2.5 s. Envoy's health checks of the picker failed 0 times. Other runs",
+        "of the same flood gave 3 and 4 of 5,000 slow clients a 500 instead of the 408: the picker's",
+        "stream for the 408's response headers ended CANCELLED (`ext_proc_error_gRPC_error_1`) while",
+        "about 1,000 such streams were open, and fail-close answered 500 (bench/results/2026-11-27-reliability.md).",
     ],
     "Slow clients, chunked": [
         "Reading: a chunked body takes a streamed route, whose picker stream opens at the headers, so",
