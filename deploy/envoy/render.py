@@ -853,7 +853,6 @@ def access_log_format() -> dict[str, str]:
         "upstream": "%UPSTREAM_HOST%",
         "upstream_failure": "%UPSTREAM_TRANSPORT_FAILURE_REASON%",
         "route": "%ROUTE_NAME%",
-        "details": "%RESPONSE_CODE_DETAILS%",
         "duration_ms": "%DURATION%",
     }
     fmt |= {k: f"%COMMON_DURATION(DS_RX_BEG:{point}:us)%" for k, point in _SPANS.items()}
