@@ -48,7 +48,7 @@ import itertools
 import json
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +57,9 @@ import msgpack
 from picker.core.accounting import Ticket
 from picker.core.config import RouterConfig, load_file
 from picker.core.endpoints.pool import Pool
-from picker.core.endpoints.types import DECODE, PREFILL, Endpoint, EndpointMetrics, Health
+from picker.core.endpoints.types import DECODE, PREFILL, Endpoint, EndpointMetrics, EndpointState, Health
 from picker.core.errors import PickerError
+from picker.core.flowcontrol import FlowControlConfig, FlowController, Item
 from picker.core.prefix.precise import State, Sync
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
@@ -75,12 +76,37 @@ from . import ceilings
 from . import mooncake_trace as trace
 
 
+@dataclass(frozen=True, slots=True)
+class Tag:
+    """What a request carries besides its prompt (flow-control studies): objective, fairness id
+    and TTFT objective (ms), as the headers would."""
+
+    objective: str = ""
+    fairness_id: str = ""
+    slo_ttft_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class Record:
+    """One request's fate: its arrival, TTFT (None: not served) and how flow control ended it."""
+
+    row: int
+    arrived: float
+    tag: Tag
+    ttft: float | None = None
+    outcome: str = ""
+    """``served``, ``error``, or a flow-control outcome label that answered it (429/503)."""
+
+
+Queued = tuple[Router, InferenceRequest, trace.Row, Record, list[int]]
+
+
 @dataclass(eq=False)
 class Replica:
     key: str
     core: EngineCore
     busy: bool = False
-    tickets: dict[int, tuple[Router, Ticket, float]] = field(default_factory=dict)
+    tickets: dict[int, tuple[Router, Ticket, Record]] = field(default_factory=dict)
 
 
 SHARE = frozenset({"inflight", "picks"})
@@ -117,6 +143,11 @@ class Result:
     itl_p99: float = 0.0
     disaggregated: float = 0.0
     """Fraction of the requests sent that were disaggregated."""
+    flow_control: bool = False
+    shed: int = 0
+    """Requests flow control answered 429 or 503 instead of serving."""
+    queue_wait_p90: float = 0.0
+    """Seconds in the flow-control queue, p90 over the requests it dispatched."""
 
 
 class Cluster:
@@ -135,6 +166,8 @@ class Cluster:
         share: frozenset[str] = frozenset(),
         kv_blocks: int = 0,
         pd: tuple[int, int] | None = None,
+        flow_control: FlowControlConfig | None = None,
+        tags: Callable[[trace.Row], Tag] | None = None,
     ) -> None:
         assert pickers >= 1 and share <= SHARE, f"bad pickers {pickers} / share {sorted(share)}"
         assert pd is None or sum(pd) == n, f"P/D split {pd} is not {n} replicas"
@@ -177,10 +210,26 @@ class Cluster:
         self.sent: list[tuple[int, list[int]]] = []
         """(prompt tokens, prompt block hashes) of each request sent, for the ceilings."""
         self.itls: list[float] = []
-        self.legs: dict[int, tuple[Router, Ticket, float, Replica, Request]] = {}
-        """A prefill leg's request id → (router, the request's ticket, its arrival, the decode
+        self.legs: dict[int, tuple[Router, Ticket, Record, Replica, Request]] = {}
+        """A prefill leg's request id → (router, the request's ticket, its record, the decode
         replica, the decode request waiting for the leg's KV)."""
         self.disaggregated = 0
+        self.records: list[Record] = []
+        self.tags = tags
+        self.flows: dict[int, FlowController[Queued]] = {}
+        """Picker (by id) → its flow controller, when flow control is on."""
+        self._wake: float | None = None
+        if flow_control is not None and flow_control.enabled:
+            for r in self.pickers:
+                fc: FlowController[Queued] = FlowController(
+                    flow_control,
+                    self._routable(r),
+                    self._dispatch,
+                    self._shed,
+                    self._local(r),
+                )
+                fc.queue.keep_waits = True
+                self.flows[id(r)] = fc
 
     def _push(self, t: float, kind: str, payload: object) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
@@ -233,24 +282,95 @@ class Cluster:
         rep.busy = True
         self._push(self.now + step.duration, "step", (rep, step))
 
+    @staticmethod
+    def _local(router: Router) -> Callable[[Item[Queued], EndpointState], bool]:
+        def local(item: Item[Queued], e: EndpointState) -> bool:
+            return router.cached_blocks(e.key, item.hashes) > 0
+
+        return local
+
+    @staticmethod
+    def _routable(router: Router) -> Callable[[], list[Any]]:
+        def endpoints() -> list[Any]:
+            c = router.pool.routable()
+            router.accounting.expire(c)
+            return c
+
+        return endpoints
+
     def _arrive(self, row: trace.Row) -> None:
         toks, text = trace.tokens_and_text(row)
         router = self.pickers[next(self._next_picker) % len(self.pickers)]
+        tag = self.tags(row) if self.tags is not None else Tag()
         ir = InferenceRequest(
             model=self.model,
             routing_text=text,
             request_id=str(row.index),
             prompt_token_ids=toks if self.precise else None,
+            objective=tag.objective,
+            fairness_id=tag.fairness_id,
+            slo_ttft_ms=tag.slo_ttft_ms,
         )
+        rec = Record(row.index, self.now, tag)
+        self.records.append(rec)
+        fc = self.flows.get(id(router))
+        if fc is None:
+            self._send(router, ir, row, rec, toks)
+            return
+        prio, tokens, hashes, best = router.admission(ir)
+        item = fc.item(
+            (router, ir, row, rec, toks),
+            prio,
+            ir.fairness_id,
+            tokens,
+            len(text),
+            self.now,
+            ir.slo_ttft_ms / 1000.0,
+            hashes,
+        )
+        adm = fc.offer(item, self.now, best)
+        if adm.outcome is not None and adm.outcome.status:
+            rec.outcome = adm.outcome.label
+        self._rearm()
+
+    def _dispatch(self, item: Item[Queued]) -> None:
+        self._send(*item.payload)
+
+    def _shed(self, item: Item[Queued]) -> None:
+        assert item.outcome is not None, "shed without an outcome"
+        item.payload[3].outcome = item.outcome.label
+
+    def _pump(self, router: Router | None = None) -> None:
+        for r in self.pickers if router is None else (router,):
+            fc = self.flows.get(id(r))
+            if fc is not None:
+                fc.pump(self.now)
+        self._rearm()
+
+    def _rearm(self) -> None:
+        """A ``flow`` event at the earliest moment a queue may move without a finish or scrape."""
+        wakes = [w for fc in self.flows.values() if (w := fc.next_wake()) is not None]
+        if not wakes:
+            return
+        t = max(min(wakes), self.now + 1e-6)
+        if self._wake is None or t < self._wake or self._wake <= self.now:
+            self._wake = t
+            self._push(t, "flow", None)
+
+    def _send(
+        self, router: Router, ir: InferenceRequest, row: trace.Row, rec: Record, toks: list[int]
+    ) -> None:
         try:
             decision = router.route(ir)
             self._agreement(router, ir, decision.primary.key)
         except PickerError:
             self.errors += 1
+            rec.outcome = "error"
             return
         rep = self.replicas[decision.primary.key]
         if row.input_length + row.output_length > rep.core.max_model_len:
             self.errors += 1  # vLLM answers 400: longer than max_model_len
+            rec.outcome = "error"
             return
         ticket = router.start(decision)
         req = Request(toks, row.output_length, rep.core.pool.block_size, arrival=self.now)
@@ -259,40 +379,43 @@ class Cluster:
             self.disaggregated += 1
             pre = self.replicas[decision.prefill.key]
             leg = Request(toks, 1, pre.core.pool.block_size, arrival=self.now)
-            self.legs[leg.request_id] = (router, ticket, self.now, rep, req)
+            self.legs[leg.request_id] = (router, ticket, rec, rep, req)
             pre.core.sched.add(leg)
             self._kick(pre)
             return
-        rep.tickets[req.request_id] = (router, ticket, self.now)
+        rep.tickets[req.request_id] = (router, ticket, rec)
         rep.core.sched.add(req)
         self._kick(rep)
 
     def _leg_done(self, leg: Request) -> None:
         """A prefill leg finished: the KV blocks the decode engine lacks cross the link."""
-        router, ticket, arrived, rep, req = self.legs.pop(leg.request_id)
+        router, ticket, rec, rep, req = self.legs.pop(leg.request_id)
         bs = rep.core.pool.block_size
         held = len(rep.core.pool.lookup(req.hashes, req.tokens, (req.num_tokens - 1) // bs)) * bs
         self._push(
             self.now + self.link.transfer_s(req.num_tokens - held),
             "kv_in",
-            (router, ticket, arrived, rep, req),
+            (router, ticket, rec, rep, req),
         )
 
-    def _kv_in(self, router: Router, ticket: Ticket, arrived: float, rep: Replica, req: Request) -> None:
+    def _kv_in(self, router: Router, ticket: Ticket, rec: Record, rep: Replica, req: Request) -> None:
         req.kv_loaded = True
-        rep.tickets[req.request_id] = (router, ticket, arrived)
+        rep.tickets[req.request_id] = (router, ticket, rec)
         rep.core.sched.add(req)
         self._kick(rep)
 
     def _step(self, rep: Replica, step: Step) -> None:
         rep.busy = False
+        freed = False
         for req in rep.core.end(step, self.now):
             if req.request_id in self.legs:
                 self._leg_done(req)
                 continue
-            router, ticket, arrived = rep.tickets[req.request_id]
+            router, ticket, rec = rep.tickets[req.request_id]
             if req.num_output == 1:
-                self.ttfts.append(self.now - arrived)
+                rec.ttft = self.now - rec.arrived
+                rec.outcome = "served"
+                self.ttfts.append(rec.ttft)
             elif req.prev_token_at is not None and req.last_token_at is not None:
                 self.itls.append(req.last_token_at - req.prev_token_at)
             if req.finished:
@@ -300,7 +423,10 @@ class Cluster:
                 del rep.tickets[req.request_id]
                 self.done += 1
                 self.done_prompt_tokens += len(req.prompt)
+                freed = True
         self._kick(rep)
+        if freed and self.flows:
+            self._pump()
 
     def _agreement(self, router: Router, req: InferenceRequest, chosen: str) -> None:
         """Would the next picker, asked now with its own state, pick the same endpoint?"""
@@ -353,8 +479,14 @@ class Cluster:
             elif kind == "kv_in":
                 assert isinstance(payload, tuple), f"kv_in event carries {payload!r}"
                 self._kv_in(*payload)
+            elif kind == "flow":
+                if self._wake is not None and self._wake <= self.now:
+                    self._wake = None
+                self._pump()
             else:
                 self._scrape()
+                if self.flows:
+                    self._pump()
                 if len(self._events) > 0:
                     self._push(self.now + scrape_s, "scrape", None)
 
@@ -403,6 +535,7 @@ def simulate(
     decider: str = "cost",
     decider_params: Mapping[str, Any] | None = None,
     link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S,
+    flow_control: FlowControlConfig | None = None,
 ) -> Result:
     """Route ``rows`` over ``n`` engines under ``policy`` (a built-in, or a profile of
     ``router_cfg``, the picker's own config as ``--config-file`` loads it). ``pd`` (prefill,
@@ -429,8 +562,10 @@ def simulate(
         pickers=pickers,
         share=share,
         pd=pd,
+        flow_control=flow_control or router_cfg.flow_control,
     )
     c.run(rows, time_scale)
+    waits = sorted(w for fc in c.flows.values() for ws in fc.queue.waits.values() for w in ws)
     q = statistics.quantiles(c.ttfts, n=100) if len(c.ttfts) >= 2 else [0.0] * 99
     qi = statistics.quantiles(c.itls, n=100) if len(c.itls) >= 2 else [0.0] * 99
     return Result(
@@ -459,6 +594,9 @@ def simulate(
         qi[89],
         qi[98],
         c.disaggregated / len(c.sent) if c.sent else 0.0,
+        bool(c.flows),
+        sum(1 for r in c.records if r.outcome not in ("served", "error", "")),
+        waits[int(0.9 * (len(waits) - 1))] if waits else 0.0,
     )
 
 
@@ -545,6 +683,11 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_LINK_BYTES_PER_S / 1e9,
         help="KV transfer bandwidth between a prefill and a decode replica, GB/s (one 400 Gb/s NIC)",
     )
+    p.add_argument(
+        "--flow-control",
+        default="",
+        help="on, off, or on,off to compare (default: the config's flow_control.enabled)",
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     try:
@@ -565,6 +708,11 @@ def main(argv: list[str] | None = None) -> int:
         long_prefill_token_threshold=a.long_prefill_token_threshold,
         charge_cached_tokens=a.charge_cached_tokens,
     )
+    base = router_cfg or RouterConfig()
+    fcs = [
+        dataclasses.replace(base.flow_control, enabled=v == "on") if v else base.flow_control
+        for v in (a.flow_control.split(",") if a.flow_control else [""])
+    ]
     results = [
         simulate(
             rows,
@@ -583,11 +731,13 @@ def main(argv: list[str] | None = None) -> int:
             dec,
             params.get(dec),
             a.link_gb_per_s * 1e9,
+            fc,
         )
         for mode in a.prefix_mode.split(",")
         for pol in a.policy.split(",")
         for sh in a.share.split(",")
         for sp, dec in runs
+        for fc in fcs
     ]
     if any(sp for sp, _ in runs):
         print(
@@ -601,14 +751,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r.throughput_rps:>8.2f}{r.prompt_tokens_per_s:>13.0f}{r.errors:>7}"
             )
     print(
-        f"{'policy':<14}{'prefix':<12}{'share':<16}{'agree':>6}{'hit rate':>9}{'ideal':>7}{'LRU':>7}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
-        f"{'req/s':>8}{'prompt tok/s':>13}{'errors':>7}{'wall s':>8}"
+        f"{'policy':<14}{'FC':<4}{'prefix':<12}{'share':<16}{'agree':>6}{'hit rate':>9}{'ideal':>7}{'LRU':>7}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
+        f"{'req/s':>8}{'prompt tok/s':>13}{'errors':>7}{'shed':>6}{'wait p90':>9}{'wall s':>8}"
     )
     for r in results:
         print(
-            f"{r.policy:<14}{r.prefix_mode:<12}{r.share or '-':<16}{r.agreement:>6.3f}{r.hit_rate:>9.3f}{r.ideal_hit_rate:>7.3f}{r.lru_hit_rate:>7.3f}"
+            f"{r.policy:<14}{'on' if r.flow_control else 'off':<4}{r.prefix_mode:<12}{r.share or '-':<16}{r.agreement:>6.3f}{r.hit_rate:>9.3f}{r.ideal_hit_rate:>7.3f}{r.lru_hit_rate:>7.3f}"
             f"{r.ttft_p50:>10.3f}{r.ttft_p90:>9.3f}{r.ttft_p99:>9.3f}{r.throughput_rps:>8.2f}"
-            f"{r.prompt_tokens_per_s:>13.0f}{r.errors:>7}{r.wall_seconds:>8.1f}"
+            f"{r.prompt_tokens_per_s:>13.0f}{r.errors:>7}{r.shed:>6}{r.queue_wait_p90:>9.3f}{r.wall_seconds:>8.1f}"
         )
     if results:
         r = results[0]

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import yaml
 
 from picker.core.calibration import CalibrationConfig
+from picker.core.flowcontrol import FlowControlConfig
 from picker.core.prefix.hashing import HashConfig
 from picker.core.request import DEFAULT_MEDIA_TOKENS
 from picker.core.scheduling.pd import PDConfig
@@ -207,6 +208,8 @@ class RouterConfig:
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     pd: PDConfig = field(default_factory=PDConfig)
     """Prefill/decode disaggregation (:mod:`picker.core.scheduling.pd`, docs/pd.md)."""
+    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
+    """The gateway queue (:mod:`picker.core.flowcontrol`); YAML ``flowControl`` or ``flow_control``."""
 
     def __post_init__(self) -> None:
         if self.policy not in self.profiles:
@@ -236,6 +239,10 @@ def load(raw: Mapping[str, Any] | None, base: RouterConfig | None = None) -> Rou
     """Overlay a parsed YAML mapping onto ``base`` (defaults when None)."""
     base = base or RouterConfig()
     raw = dict(raw or {})
+    if "flowControl" in raw:  # llm-d's spelling
+        if "flow_control" in raw:
+            raise ValueError("config: flowControl and flow_control both given; use one")
+        raw["flow_control"] = raw.pop("flowControl")
     sub = {
         "hashing": (HashConfig, base.hashing),
         "index": (IndexConfig, base.index),
@@ -243,6 +250,7 @@ def load(raw: Mapping[str, Any] | None, base: RouterConfig | None = None) -> Rou
         "prefix": (PrefixConfig, base.prefix),
         "calibration": (CalibrationConfig, base.calibration),
         "pd": (PDConfig, base.pd),
+        "flow_control": (FlowControlConfig, base.flow_control),
     }
     for key, (cls, cur) in sub.items():
         if key in raw:

@@ -34,9 +34,21 @@ llm-d-router's current name first, then its deprecated alias (``pkg/epp/metadata
 the first one present wins, as there."""
 OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
 FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
-# llm-d's SLO headers (x-llm-d-slo-ttft-ms / x-slo-ttft-ms, x-llm-d-slo-tpot-ms / x-slo-tpot-ms)
-# are read by neither spelling: kvpick has no SLO-aware scorer, so they steer nothing here and
-# the gateway passes them through.
+SLO_TTFT_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
+"""llm-d's TTFT objective, milliseconds: flow control orders a flow by it (earliest deadline
+first) and sheds a sheddable request it predicts will miss it (:mod:`picker.core.flowcontrol`).
+The TPOT headers (``x-llm-d-slo-tpot-ms`` / ``x-slo-tpot-ms``) steer nothing here."""
+
+
+def slo_ms(headers: Mapping[str, str], names: Sequence[str]) -> float:
+    """A positive finite number of milliseconds from the first of ``names`` present, else 0
+    (an unparsable value is ignored: the objective is advice, not a contract to reject on)."""
+    raw = header_of(headers, names)
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        return 0.0
+    return value if 0.0 < value < float("inf") else 0.0
 
 
 def header_of(headers: Mapping[str, str], names: Sequence[str]) -> str:
@@ -95,6 +107,8 @@ class InferenceRequest:
     session_id: str = ""
     objective: str = ""
     fairness_id: str = ""
+    slo_ttft_ms: float = 0.0
+    """The TTFT objective (``x-llm-d-slo-ttft-ms`` / ``x-slo-ttft-ms``), 0: none."""
     max_tokens: int = 0
     prompt_token_ids: Sequence[int] | None = None
     """The prompt's token ids: the client's (a token-id prompt, cut with the routing text) or the
@@ -153,6 +167,7 @@ def parse(
         session_id=headers.get("x-session-id", ""),
         objective=header_of(headers, OBJECTIVE_HEADERS),
         fairness_id=header_of(headers, FAIRNESS_HEADERS),
+        slo_ttft_ms=slo_ms(headers, SLO_TTFT_HEADERS),
         max_tokens=max_tokens if isinstance(max_tokens, int) else 0,
         prompt_token_ids=token_ids,
         prompt_chars=text.total,

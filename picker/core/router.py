@@ -251,6 +251,31 @@ class Router:
         profile = self.profiles[name]
         return self.precise_profiles.get(name, profile) if keys is not None else profile
 
+    def admission(self, req: InferenceRequest) -> tuple[int, int, list[int], float | None]:
+        """What flow control needs to queue ``req`` (:mod:`picker.core.flowcontrol`): its
+        priority, estimated prompt tokens, routing-text block hashes (locality look-ups), and,
+        when it carries a TTFT objective, the best endpoint's TTFT estimate now (else None).
+        Nothing is committed; with no routable endpoint the tokens are the text's estimate."""
+        priority = self.objectives.priority(req.objective)
+        candidates = self.pool.routable()
+        if not candidates:
+            text = req.routing_text.encode()
+            hashes = self._hash_memo.hashes(text, seed_for(req.model, req.lora, req.cache_salt))
+            tokens = max(1, int(max(len(text), req.prompt_chars) / self.cfg.index.chars_per_token))
+            return priority, tokens, hashes, None
+        self.accounting.expire(candidates)
+        cyc, hashes, _ = self.cycle(req, candidates)
+        best = None
+        if req.slo_ttft_ms > 0:
+            cost = self.profile.scorer("cost") or CostScorer()
+            assert isinstance(cost, CostScorer)
+            best = min(cost.estimates(cyc, candidates).values())
+        return priority, cyc.prompt_tokens, hashes, best
+
+    def cached_blocks(self, key: str, hashes: Sequence[int]) -> int:
+        """Leading blocks of ``hashes`` the approximate index says ``key`` holds."""
+        return self.index.match(key, hashes) if hashes else 0
+
     def any_ready(self, subset: Collection[str] | None = None) -> EndpointState:
         """A bodiless request's endpoint (GET /v1/models): the routable one with the fewest
         in-flight requests, with no scheduling, index or accounting work. Never shed."""

@@ -1,0 +1,539 @@
+"""Flow control: a gateway queue with late binding, strict priority bands, fairness that keeps
+prefix locality, and shedding by the calibrated load model. Pure logic: no I/O, no clock of its
+own (every method takes ``now``, seconds on the router's clock).
+
+**Saturation** (the one rule, no hand-set threshold). For each routable endpoint ``e`` the load
+model (:mod:`picker.core.calibration`, charged by :mod:`picker.core.accounting`, priced as in
+:mod:`picker.core.scheduling.cost`) predicts
+
+- ``queue_s(e)``: the prefill work already committed ahead of a new request, in seconds:
+  ``queued(e) / rate(e)`` (cost.py's ``queued`` term: our pending prefill, the waiting requests
+  we did not send, the requests the engine has not seen);
+- ``typical_s(e)``: one typical request's prefill plus the engine step it joins, in seconds:
+  ``uncached_per_request(e) / rate(e) + step(e, running(e))``.
+
+An endpoint **has room** when ``queue_s(e) < typical_s(e)``: it would start a new request
+within about one typical request's prefill, so it never idles for want of work the gateway
+holds, and holds at most one typical request's worth of work beyond the one it is serving. The
+pool is **saturated** when no routable endpoint has room. Then requests wait here, where they
+can still be ordered, shed, or bound to the endpoint that frees first (late binding: the normal
+policy picks the endpoint at dispatch, on the state at dispatch).
+
+**Order.** Bands are strict: the highest priority (``InferenceObjective`` priority of the
+request's objective) with a queued request goes first. Within a band, flows (the fairness id,
+default ``default-flow``) are served by start-time fair queuing over ``cost`` units: tokens of
+the prompt (``fairness: tokens``, deficit round-robin's measure) or one per request
+(``fairness: requests``, round-robin). Each flow has ``served`` units; the due flow is the one
+with the least. A flow that becomes backlogged starts at the band's virtual time (the ``served``
+of the flow last dispatched), so idling earns no credit. Within a flow: earliest deadline first,
+where a request's deadline is its arrival plus its TTFT objective (``x-llm-d-slo-ttft-ms`` /
+``x-slo-ttft-ms``), and a request without one is due at its arrival: FCFS among those.
+
+**Fairness with locality.** When an endpoint frees, a flow whose head request's prefix is cached
+there may go before the due flow, if its ``served`` is within ``locality_slack`` units of the
+least. **Bound**: a flow is served only while its ``served`` is at most ``min + slack``, so
+between any two flows backlogged in the same band, ``served`` differs by at most
+``locality_slack + the largest single cost`` (0 slack: strict fair order).
+
+**Bounds and outcomes** (each counted by band and outcome in :attr:`FlowQueue.counts`):
+
+- ``dispatched``: left the queue to be routed (wait 0 when the pool had room);
+- ``rejected_queue_full`` (429): the band already holds ``max_requests`` requests or
+  ``max_bytes`` bytes;
+- ``shed_predicted_slo_miss`` (429): sheddable (priority < 0), with a TTFT objective the model
+  predicts it misses (best endpoint's TTFT plus the predicted wait here);
+  a request that may not be shed is queued and counted ``predicted_slo_miss`` as well;
+- ``evicted_ttl`` (429): sheddable, still queued ``ttl_s`` after arrival;
+- ``dispatched_ttl``: not sheddable, still queued at ``ttl_s``: sent on, to the replica's queue;
+- ``no_endpoints`` (503): still queued with no routable endpoint ``empty_pool_ttl_s`` after
+  arrival (the scale-from-zero waiting room);
+- ``cancelled``: the client went away while queued;
+- ``drained``: the picker is stopping: dispatched, or answered 503 where no endpoint is left.
+
+A 429 carries ``Retry-After``: the predicted time to serve the work queued in its band and above.
+
+Writers: :class:`FlowQueue` is written by its owner alone (the event loop in the picker, the
+event loop of cluster mode); :class:`FlowController` is that owner.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from picker.core.endpoints.types import EndpointState
+
+DEFAULT_FLOW = "default-flow"
+"""The flow of a request without a fairness id (llm-d's default)."""
+
+
+class Outcome(enum.Enum):
+    """How a request left the queue (module docstring); ``status`` is the client's HTTP status,
+    0 where the request is routed on."""
+
+    DISPATCHED = ("dispatched", 0)
+    DISPATCHED_TTL = ("dispatched_ttl", 0)
+    REJECTED_FULL = ("rejected_queue_full", 429)
+    SHED_SLO = ("shed_predicted_slo_miss", 429)
+    EVICTED_TTL = ("evicted_ttl", 429)
+    NO_ENDPOINTS = ("no_endpoints", 503)
+    CANCELLED = ("cancelled", 0)
+    DRAINED = ("drained", 0)
+
+    def __init__(self, label: str, status: int) -> None:
+        self.label, self.status = label, status
+
+
+PREDICTED_MISS = "predicted_slo_miss"
+"""Counted (with the outcome) for a request that may not be shed whose TTFT objective the model
+predicts it misses."""
+
+
+@dataclass(frozen=True)
+class FlowControlConfig:
+    """The ``flow_control`` section (YAML ``flowControl`` or ``flow_control``)."""
+
+    enabled: bool = False
+    """Hold requests at the picker while the pool is saturated (module docstring). Off by
+    default: measured (bench/results/2026-11-27-flow-control.md)."""
+    fairness: str = "tokens"
+    """Within a band: ``tokens`` (fair shares of prompt tokens, deficit round-robin's measure)
+    or ``requests`` (round-robin)."""
+    locality_slack: float = 32768.0
+    """How far ahead of the fair order (in ``fairness`` units) a flow whose head request's
+    prefix is cached on the freed endpoint may go (0: strict fair order)."""
+    ttl_s: float = 30.0
+    """Longest wait in the queue, seconds: then a sheddable request gets 429, another is sent on."""
+    empty_pool_ttl_s: float = 60.0
+    """Longest wait with no routable endpoint (scale from zero), seconds: then 503."""
+    max_requests: int = 4096
+    """Requests one band may hold; more are answered 429."""
+    max_bytes: int = 512 * 1024 * 1024
+    """Request body bytes one band may hold; more are answered 429."""
+
+    def __post_init__(self) -> None:
+        if self.fairness not in ("tokens", "requests"):
+            raise ValueError(f"flow_control.fairness must be tokens or requests, got {self.fairness!r}")
+        if min(self.locality_slack, self.ttl_s, self.empty_pool_ttl_s) < 0:
+            raise ValueError("flow_control: locality_slack, ttl_s and empty_pool_ttl_s must be >= 0")
+        if self.max_requests < 1 or self.max_bytes < 1:
+            raise ValueError("flow_control: max_requests and max_bytes must be >= 1")
+
+
+P = TypeVar("P")
+
+
+@dataclass(eq=False, slots=True)
+class Item(Generic[P]):
+    """One queued request. ``payload`` is the driver's (a held stream, a simulated request)."""
+
+    payload: P
+    band: int
+    """The objective priority; negative is sheddable."""
+    flow: str
+    cost: float
+    """Fairness units: prompt tokens, or 1."""
+    size: int
+    """Request body bytes."""
+    arrived: float
+    deadline: float
+    """Arrival plus the TTFT objective; arrival when it has none."""
+    tokens: int = 0
+    """Estimated prompt tokens (for the predicted wait)."""
+    hashes: Sequence[int] = ()
+    """The prompt's block hashes (locality look-ups)."""
+    slo_s: float = 0.0
+    seq: int = 0
+    queued: bool = False
+    outcome: Outcome | None = None
+
+    @property
+    def sheddable(self) -> bool:
+        return self.band < 0
+
+
+@dataclass(slots=True)
+class _Flow(Generic[P]):
+    served: float = 0.0
+    heap: list[tuple[float, int, Item[P]]] = field(default_factory=list)
+    n: int = 0
+    """Queued items (the heap may hold removed ones until they surface)."""
+
+    def head(self) -> Item[P] | None:
+        heap = self.heap
+        while heap and not heap[0][2].queued:
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
+
+
+@dataclass(slots=True)
+class _Band(Generic[P]):
+    flows: dict[str, _Flow[P]] = field(default_factory=dict)
+    vtime: float = 0.0
+    requests: int = 0
+    bytes: int = 0
+    tokens: int = 0
+
+
+class FlowQueue(Generic[P]):
+    """Bands → flows → items, with the limits, TTLs and counts of the module docstring."""
+
+    def __init__(self, cfg: FlowControlConfig) -> None:
+        self.cfg = cfg
+        self._bands: dict[int, _Band[P]] = {}
+        self._order: list[int] = []
+        """Band priorities, highest first."""
+        self._ttl: list[tuple[float, int, Item[P]]] = []
+        self._seq = itertools.count()
+        self.counts: dict[tuple[int, str], int] = {}
+        """(band, outcome label) → requests. Writer: this queue."""
+        self.waits: dict[int, list[float]] = {}
+        """Band → queue waits of the requests dispatched, seconds (cluster mode's percentiles);
+        None-bounded only where :attr:`keep_waits` is set."""
+        self.keep_waits = False
+        self.max_skew = 0.0
+        """Largest ``served`` spread between two backlogged flows of one band seen at a dispatch
+        (the locality bound's witness, for tests and benches)."""
+
+    def __len__(self) -> int:
+        return sum(b.requests for b in self._bands.values())
+
+    def band_depth(self, band: int) -> tuple[int, int]:
+        """(requests, bytes) queued in ``band``."""
+        b = self._bands.get(band)
+        return (b.requests, b.bytes) if b else (0, 0)
+
+    def bands(self) -> list[int]:
+        return list(self._order)
+
+    def flow_depths(self) -> Iterator[tuple[int, str, int]]:
+        """(band, flow, queued requests) for every flow with a request queued."""
+        for prio in self._order:
+            for name, f in self._bands[prio].flows.items():
+                if f.n:
+                    yield prio, name, f.n
+
+    def tokens_at_or_above(self, band: int) -> int:
+        """Prompt tokens queued in ``band`` and every higher band."""
+        return sum(b.tokens for p, b in self._bands.items() if p >= band)
+
+    def count(self, item: Item[P], label: str) -> None:
+        key = (item.band, label)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    # -- in --------------------------------------------------------------------------------------
+    def push(self, item: Item[P], now: float) -> bool:
+        """Queue ``item``; False (counted ``rejected_queue_full``) when its band is full."""
+        band = self._bands.get(item.band)
+        if band is None:
+            band = self._bands[item.band] = _Band()
+            self._order = sorted(self._bands, reverse=True)
+        if band.requests + 1 > self.cfg.max_requests or band.bytes + item.size > self.cfg.max_bytes:
+            self.finish(item, Outcome.REJECTED_FULL, now)
+            return False
+        flow = band.flows.get(item.flow)
+        if flow is None:
+            flow = band.flows[item.flow] = _Flow()
+        if flow.n == 0:  # newly backlogged: no credit for idling
+            flow.served = max(flow.served, band.vtime)
+        item.seq = next(self._seq)
+        item.queued = True
+        heapq.heappush(flow.heap, (item.deadline, item.seq, item))
+        flow.n += 1
+        band.requests += 1
+        band.bytes += item.size
+        band.tokens += item.tokens
+        ttl = min(self.cfg.ttl_s, self.cfg.empty_pool_ttl_s)
+        heapq.heappush(self._ttl, (item.arrived + ttl, item.seq, item))
+        return True
+
+    # -- out -------------------------------------------------------------------------------------
+    def _take(self, item: Item[P]) -> None:
+        """Unlink a queued item (its heap entries are dropped lazily)."""
+        assert item.queued, "item is not queued"
+        item.queued = False
+        band = self._bands[item.band]
+        band.flows[item.flow].n -= 1
+        band.requests -= 1
+        band.bytes -= item.size
+        band.tokens -= item.tokens
+
+    def finish(self, item: Item[P], outcome: Outcome, now: float) -> None:
+        """Record how ``item`` left (once)."""
+        if item.queued:
+            self._take(item)
+        if item.outcome is not None:
+            return
+        item.outcome = outcome
+        self.count(item, outcome.label)
+        if self.keep_waits and outcome in (Outcome.DISPATCHED, Outcome.DISPATCHED_TTL, Outcome.DRAINED):
+            self.waits.setdefault(item.band, []).append(now - item.arrived)
+
+    def remove(self, item: Item[P], now: float) -> bool:
+        """The client went away: ``item`` leaves at once (``cancelled``). False if not queued."""
+        if not item.queued:
+            return False
+        self.finish(item, Outcome.CANCELLED, now)
+        return True
+
+    def pop(self, now: float, local: Callable[[Item[P]], bool] | None = None) -> Item[P] | None:
+        """The next request to dispatch (counted ``dispatched``): the highest band's due flow,
+        or within ``locality_slack`` of it one whose head ``local`` says is cached on the
+        endpoint that freed; that flow's earliest deadline. None when empty."""
+        for prio in self._order:
+            band = self._bands[prio]
+            if band.requests == 0:
+                continue
+            heads = [(f, h) for f in band.flows.values() if f.n and (h := f.head()) is not None]
+            least = min(f.served for f, _ in heads)
+            most = max(f.served for f, _ in heads)
+            self.max_skew = max(self.max_skew, most - least)
+            limit = least + self.cfg.locality_slack
+            best: tuple[_Flow[P], Item[P]] | None = None
+            for f, h in heads:
+                if f.served > limit:
+                    continue
+                if best is None:
+                    best = (f, h)
+                    continue
+                # local first (within the slack), then least served, then oldest head
+                key = (local is not None and not local(h), f.served, h.seq)
+                bkey = (local is not None and not local(best[1]), best[0].served, best[1].seq)
+                if key < bkey:
+                    best = (f, h)
+            assert best is not None, "a backlogged band with no due flow"
+            flow, item = best
+            band.vtime = flow.served
+            flow.served += item.cost
+            self.finish(item, Outcome.DISPATCHED, now)
+            return item
+        return None
+
+    def expired(self, now: float, pool_empty: bool) -> Iterator[Item[P]]:
+        """Queued requests past their TTL (``ttl_s``, or ``empty_pool_ttl_s`` while the pool is
+        empty), oldest first, still queued: the caller finishes each (:meth:`finish`)."""
+        cfg, heap = self.cfg, self._ttl
+        while heap and heap[0][0] <= now:
+            _, seq, item = heapq.heappop(heap)
+            if not item.queued:
+                continue
+            limit = cfg.empty_pool_ttl_s if pool_empty else cfg.ttl_s
+            if item.arrived + limit > now:  # the other limit applies now: look again then
+                heapq.heappush(heap, (item.arrived + limit, seq, item))
+                continue
+            yield item
+
+    def next_expiry(self) -> float | None:
+        heap = self._ttl
+        while heap and not heap[0][2].queued:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def items(self) -> list[Item[P]]:
+        """Every queued request, band by band (highest first), each band in arrival order."""
+        out: list[Item[P]] = []
+        for prio in self._order:
+            band = [e[2] for f in self._bands[prio].flows.values() for e in f.heap if e[2].queued]
+            out.extend(sorted(band, key=lambda i: i.seq))
+        return out
+
+
+# -- the load model's view ---------------------------------------------------------------------
+def running(e: EndpointState) -> float:
+    """The batch a new request joins: as :mod:`picker.core.scheduling.cost` counts it."""
+    sent = e.load.in_flight_requests - e.load.finished_streams + e.peer_load.in_flight_requests
+    return e.metrics.running if e.metrics.running > sent else sent
+
+
+def queue_s(e: EndpointState) -> float:
+    """Seconds of prefill committed ahead of a new request on ``e`` (cost.py's ``queued / rate``)."""
+    m, model, load = e.metrics, e.model, e.load
+    u = model.uncached_per_request
+    foreign = (m.waiting - load.pending_requests) * u
+    peer = e.peer_load.pending_prefill_tokens
+    queued = load.pending_prefill_tokens + max(foreign, peer) + load.unseen_requests * u
+    return queued / model.prefill_rate
+
+
+def typical_s(e: EndpointState) -> float:
+    """One typical request's prefill plus the step it joins, seconds."""
+    model = e.model
+    return model.uncached_per_request / model.prefill_rate + model.step_s(running(e))
+
+
+def has_room(e: EndpointState) -> bool:
+    return queue_s(e) < typical_s(e)
+
+
+def freest(endpoints: Iterable[EndpointState]) -> EndpointState | None:
+    """The endpoint with room whose queue is shortest (None: the pool is saturated)."""
+    best: EndpointState | None = None
+    best_q = math.inf
+    for e in endpoints:
+        q = queue_s(e)
+        if q < typical_s(e) and q < best_q:
+            best, best_q = e, q
+    return best
+
+
+def next_room_at(endpoints: Iterable[EndpointState]) -> float | None:
+    """When the accounting next releases a pending prefill (a predicted end): the next moment
+    an endpoint's queue can shrink without a scrape or a finish. None: nothing pending."""
+    due = [e.load.prefill_due[0].due for e in endpoints if e.load.prefill_due]
+    return min(due) if due else None
+
+
+def _local_on(local: Callable[[Item[P], EndpointState], bool], free: EndpointState, item: Item[P]) -> bool:
+    return local(item, free)
+
+
+@dataclass
+class Admission(Generic[P]):
+    """What :meth:`FlowController.offer` decided for one request."""
+
+    item: Item[P]
+    outcome: Outcome | None
+    """None: queued (or dispatched by the pump it ran: see ``item.outcome``)."""
+    retry_after_s: int = 0
+
+
+class FlowController(Generic[P]):
+    """Owns a :class:`FlowQueue` and pumps it against the pool's saturation.
+
+    The driver (the ext_proc service, cluster mode) calls :meth:`offer` for each request,
+    :meth:`pump` whenever capacity may have freed (a finish, a scrape, :meth:`next_wake`), and
+    :meth:`drain` when stopping. ``dispatch(item)`` must route the request and start its
+    accounting before it returns, so the next saturation check sees it; ``reject(item)`` answers
+    it with ``item.outcome``'s status.
+    """
+
+    def __init__(
+        self,
+        cfg: FlowControlConfig,
+        endpoints: Callable[[], list[EndpointState]],
+        dispatch: Callable[[Item[P]], None],
+        reject: Callable[[Item[P]], None],
+        local: Callable[[Item[P], EndpointState], bool] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.queue: FlowQueue[P] = FlowQueue(cfg)
+        self.endpoints, self.dispatch, self.reject, self.local = endpoints, dispatch, reject, local
+
+    def item(
+        self,
+        payload: P,
+        priority: int,
+        fairness_id: str,
+        tokens: int,
+        size: int,
+        now: float,
+        slo_s: float = 0.0,
+        hashes: Sequence[int] = (),
+    ) -> Item[P]:
+        cost = float(max(1, tokens)) if self.cfg.fairness == "tokens" else 1.0
+        return Item(
+            payload,
+            priority,
+            fairness_id or DEFAULT_FLOW,
+            cost,
+            size,
+            now,
+            now + slo_s,
+            tokens=tokens,
+            hashes=hashes,
+            slo_s=slo_s,
+        )
+
+    def predicted_wait_s(self, band: int, endpoints: Sequence[EndpointState]) -> float:
+        """Seconds until the work queued in ``band`` and above is served: its prompt tokens over
+        the pool's prefill rate (cache hits ignored: an upper estimate)."""
+        rate = sum(e.model.prefill_rate for e in endpoints)
+        return self.queue.tokens_at_or_above(band) / rate if rate > 0 else math.inf
+
+    def retry_after(self, band: int) -> int:
+        wait = self.predicted_wait_s(band, self.endpoints())
+        return (
+            max(1, min(int(self.cfg.ttl_s), math.ceil(wait))) if math.isfinite(wait) else int(self.cfg.ttl_s)
+        )
+
+    def offer(self, item: Item[P], now: float, predicted_ttft_s: float | None = None) -> Admission[P]:
+        """Admit ``item``: shed it (429) when sheddable and predicted to miss its TTFT
+        objective, reject it when its band is full, else queue it and pump (it may be
+        dispatched before this returns: ``item.outcome``). ``predicted_ttft_s``: the best
+        endpoint's TTFT estimate now (only needed with a TTFT objective)."""
+        q = self.queue
+        if item.slo_s > 0 and predicted_ttft_s is not None:
+            endpoints = self.endpoints()
+            behind = self.predicted_wait_s(item.band, endpoints) if len(q) else 0.0
+            if predicted_ttft_s + behind > item.slo_s:
+                if item.sheddable:
+                    q.finish(item, Outcome.SHED_SLO, now)
+                    return Admission(item, Outcome.SHED_SLO, self.retry_after(item.band))
+                q.count(item, PREDICTED_MISS)
+        if not q.push(item, now):
+            return Admission(item, Outcome.REJECTED_FULL, self.retry_after(item.band))
+        self.pump(now)
+        return Admission(item, None)
+
+    def cancel(self, item: Item[P], now: float) -> bool:
+        """The client went away: out of the queue at once. False when it was not queued."""
+        return self.queue.remove(item, now)
+
+    def pump(self, now: float) -> int:
+        """Expire what is past its TTL, then dispatch while some endpoint has room. Returns the
+        number dispatched."""
+        q = self.queue
+        if not len(q):
+            return 0
+        endpoints = self.endpoints()
+        for item in list(q.expired(now, not endpoints)):
+            if not endpoints:
+                q.finish(item, Outcome.NO_ENDPOINTS, now)
+                self.reject(item)
+            elif item.sheddable:
+                q.finish(item, Outcome.EVICTED_TTL, now)
+                self.reject(item)
+            else:
+                q.finish(item, Outcome.DISPATCHED_TTL, now)
+                self.dispatch(item)
+        sent = 0
+        while len(q):
+            free = freest(endpoints)
+            if free is None:
+                break
+            local = self.local
+            nxt = q.pop(now, functools.partial(_local_on, local, free) if local is not None else None)
+            if nxt is None:
+                break
+            self.dispatch(nxt)
+            sent += 1
+        return sent
+
+    def next_wake(self) -> float | None:
+        """The next moment :meth:`pump` may do something without a finish or a scrape: a TTL, or
+        a predicted prefill end while requests are queued."""
+        if not len(self.queue):
+            return None
+        times = [t for t in (self.queue.next_expiry(), next_room_at(self.endpoints())) if t is not None]
+        return min(times) if times else None
+
+    def drain(self, now: float) -> int:
+        """Stopping: every queued request is dispatched (``drained``), or answered 503
+        (``no_endpoints``) when no endpoint is left. Returns how many were queued."""
+        q = self.queue
+        items = q.items()
+        endpoints = self.endpoints()
+        for item in items:
+            if endpoints:
+                q.finish(item, Outcome.DRAINED, now)
+                self.dispatch(item)
+            else:
+                q.finish(item, Outcome.NO_ENDPOINTS, now)
+                self.reject(item)
+        return len(items)
