@@ -160,9 +160,24 @@ MAX_BODY = 8 * 1024 * 1024
 _T = "type.googleapis.com/envoy.extensions."
 
 
-def _ext_proc(picker: str, failure_open: bool, request_mode: str, response_mode: str) -> dict[str, Any]:
+MESSAGE_TIMEOUT = "10s"
+MAX_MESSAGE_TIMEOUT = "90s"
+"""The longest ``override_message_timeout`` Envoy honours: the picker's flow control holds a
+request's stream unanswered while the pool is saturated, and extends the message timeout to the
+longest it may wait (its queue TTL, or the empty pool's, 60 s by default, plus 5 s): above that."""
+
+
+def _ext_proc(
+    picker: str,
+    failure_open: bool,
+    request_mode: str,
+    response_mode: str,
+    message_timeout: str = MESSAGE_TIMEOUT,
+    max_message_timeout: str = MAX_MESSAGE_TIMEOUT,
+) -> dict[str, Any]:
     """The ext_proc filter. It forwards the gateway's ``envoy.lb.subset_hint`` metadata and the
-    ``envoy.lb`` namespace (where the served endpoint is reported on the response path)."""
+    ``envoy.lb`` namespace (where the served endpoint is reported on the response path). A held
+    request (flow control) extends ``message_timeout`` up to ``max_message_timeout``."""
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -174,7 +189,8 @@ def _ext_proc(picker: str, failure_open: bool, request_mode: str, response_mode:
             },
             "failure_mode_allow": failure_open,
             "allow_mode_override": True,
-            "message_timeout": "10s",
+            "message_timeout": message_timeout,
+            "max_message_timeout": max_message_timeout,
             "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]}},
             "processing_mode": _mode(request_mode, response_mode),
         },
@@ -989,6 +1005,8 @@ def render(
     max_connections: int = MAX_CONNECTIONS,
     picker_streams: int = PICKER_STREAMS,
     max_heap_bytes: int = 0,
+    message_timeout: str = MESSAGE_TIMEOUT,
+    max_message_timeout: str = MAX_MESSAGE_TIMEOUT,
 ) -> dict[str, Any]:
     """The whole Envoy bootstrap. ``body_mode`` is the request body's; ``picker`` is one or more
     comma-separated ext_proc addresses; see the module doc."""
@@ -1019,7 +1037,9 @@ def render(
         if buffered:  # answered at the headers, whatever the body does
             not_found["typed_per_filter_config"] |= _no_body_buffer()
         routes = [not_found, *routes]
-    ext_proc = _ext_proc(picker, failure_open, body_mode, response_body_mode)
+    ext_proc = _ext_proc(
+        picker, failure_open, body_mode, response_body_mode, message_timeout, max_message_timeout
+    )
     listener: dict[str, Any] = {
         "name": "kvpick",
         "address": {"socket_address": {"address": listen_address, "port_value": listen_port}},
@@ -1195,6 +1215,16 @@ def parser() -> argparse.ArgumentParser:
         help="Envoy's memory limit: shrink the heap at 95%% of it, refuse new requests (503) at 98%% "
         "(default 0: no heap monitor)",
     )
+    p.add_argument(
+        "--message-timeout",
+        default=MESSAGE_TIMEOUT,
+        help="ext_proc's per-message timeout (the picker answers each message in well under it)",
+    )
+    p.add_argument(
+        "--max-message-timeout",
+        default=MAX_MESSAGE_TIMEOUT,
+        help="the longest timeout the picker may extend it to while it holds a request (flow control)",
+    )
     p.add_argument("-o", "--output", default="-")
     return p
 
@@ -1230,6 +1260,8 @@ def main(argv: list[str] | None = None) -> int:
             max_connections=a.max_connections,
             picker_streams=a.picker_streams,
             max_heap_bytes=a.max_heap_bytes,
+            message_timeout=a.message_timeout,
+            max_message_timeout=a.max_message_timeout,
         )
     except ValueError as err:
         parser().error(str(err))

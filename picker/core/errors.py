@@ -12,6 +12,8 @@ class PickerError(Exception):
 
     status: int = 500
     kind: str = "internal_error"
+    retry_after_s: int = 0
+    """Seconds for the client's ``Retry-After`` header (0: none); flow control sets it on a 429."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)

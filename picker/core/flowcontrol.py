@@ -41,7 +41,8 @@ between any two flows backlogged in the same band, ``served`` differs by at most
 - ``rejected_queue_full`` (429): the band already holds ``max_requests`` requests or
   ``max_bytes`` bytes;
 - ``shed_predicted_slo_miss`` (429): sheddable (priority < 0), with a TTFT objective the model
-  predicts it misses (best endpoint's TTFT plus the predicted wait here);
+  predicts it misses (best endpoint's TTFT plus the predicted wait here), at arrival; or, at
+  its turn, already past its deadline (arrival + objective);
   a request that may not be shed is queued and counted ``predicted_slo_miss`` as well;
 - ``evicted_ttl`` (429): sheddable, still queued ``ttl_s`` after arrival;
 - ``dispatched_ttl``: not sheddable, still queued at ``ttl_s``: sent on, to the replica's queue;
@@ -282,9 +283,12 @@ class FlowQueue(Generic[P]):
         self.finish(item, Outcome.CANCELLED, now)
         return True
 
-    def pop(self, now: float, local: Callable[[Item[P]], bool] | None = None) -> Item[P] | None:
-        """The next request to dispatch (counted ``dispatched``): the highest band's due flow,
-        or within ``locality_slack`` of it one whose head ``local`` says is cached on the
+    def pop(
+        self, now: float, local: Callable[[Item[P]], bool] | None = None, finish: bool = True
+    ) -> Item[P] | None:
+        """The next request to dispatch (counted ``dispatched``, unless ``finish`` is false: then
+        out of the queue, its outcome the caller's to :meth:`finish`): the highest band's due
+        flow, or within ``locality_slack`` of it one whose head ``local`` says is cached on the
         endpoint that freed; that flow's earliest deadline. None when empty."""
         for prio in self._order:
             band = self._bands[prio]
@@ -311,7 +315,10 @@ class FlowQueue(Generic[P]):
             flow, item = best
             band.vtime = flow.served
             flow.served += item.cost
-            self.finish(item, Outcome.DISPATCHED, now)
+            if finish:
+                self.finish(item, Outcome.DISPATCHED, now)
+            else:
+                self._take(item)
             return item
         return None
 
@@ -508,9 +515,14 @@ class FlowController(Generic[P]):
             if free is None:
                 break
             local = self.local
-            nxt = q.pop(now, functools.partial(_local_on, local, free) if local is not None else None)
+            nxt = q.pop(now, functools.partial(_local_on, local, free) if local is not None else None, False)
             if nxt is None:
                 break
+            if nxt.sheddable and nxt.slo_s > 0 and now > nxt.deadline:  # missed already: shed
+                q.finish(nxt, Outcome.SHED_SLO, now)
+                self.reject(nxt)
+                continue
+            q.finish(nxt, Outcome.DISPATCHED, now)
             self.dispatch(nxt)
             sent += 1
         return sent

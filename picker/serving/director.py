@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from picker.core import request as request_mod
 from picker.core.accounting import Ticket
@@ -34,6 +34,9 @@ from picker.core.router import Router
 from picker.serving.offload import BodyParser
 from picker.serving.telemetry import Telemetry
 from picker.serving.tokenization import Tokenization
+
+if TYPE_CHECKING:
+    from picker.serving.flow import FlowGate
 
 
 @dataclass(slots=True)
@@ -73,6 +76,10 @@ class Director:
         self.parse_options = router.parse_options
         """How bodies are parsed: the router's view, keeping the document when tokenization
         needs it (the router sets that from the same config)."""
+        self.flow: FlowGate | None = None
+        """Flow control's gate, when on: a body is admitted through it before its pick, and
+        every finish pokes it. Writer: the gate's builder (:class:`picker.serving.server.PickerServer`
+        or a test), once, before the first request."""
 
     # -- before the pick -----------------------------------------------------------------------
     def needs_prepare(self, size: int) -> bool:
@@ -169,6 +176,8 @@ class Director:
             self.router.finish(ticket)
             if self.telemetry is not None:
                 self.telemetry.requests.labels(pick.label, outcome).inc()
+            if self.flow is not None:
+                self.flow.poke()
 
     def reject(self, outcome: str) -> None:
         """Count a request answered with an error before it had a ticket."""

@@ -49,7 +49,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 from picker.core.endpoints.types import Endpoint
 from picker.core.errors import BodyTooLarge, InternalError, PickerError
@@ -188,10 +188,13 @@ def endpoint_key(hostport: str) -> str:
 
 def immediate(err: PickerError) -> pb.ProcessingResponse:
     e = encode_error(err)
+    headers = [_header("content-type", CONTENT_TYPE)]
+    if err.retry_after_s > 0:
+        headers.append(_header("retry-after", str(err.retry_after_s)))
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=e.status),
-            headers=pb.HeaderMutation(set_headers=[_header("content-type", CONTENT_TYPE)]),
+            headers=pb.HeaderMutation(set_headers=headers),
             body=e.body,
             details=e.details,
         )
@@ -288,6 +291,8 @@ class Exchange:
     """The pick's destination as the request path answers it (:attr:`Pick.destination`)."""
     prefill: str = ""
     """The pick's prefill endpoint (:attr:`Pick.prefill`), "" when not disaggregated."""
+    held: tuple[Pick, bytes | None] | None = None
+    """The pick flow control made when it dispatched this request (:mod:`picker.serving.flow`)."""
 
     @property
     def routed(self) -> bool:
@@ -388,6 +393,9 @@ class Exchange:
         if not any(chunks):
             pick = self.pick = director.pick_bodiless(self.headers, self.subset)
             new_body = None
+        elif self.held is not None:
+            pick, new_body = self.held
+            self.pick = pick
         else:
             parsed = self.parsed if self.parsed is not None else director.parse(chunks, self.headers)
             pick, new_body = director.pick(parsed, self.subset)
@@ -482,7 +490,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.body_answers = BodyAnswers()
         """Shared by every stream's :class:`Exchange`."""
 
-    async def _prepare(self, ex: Exchange, msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
+    async def _prepare(
+        self,
+        ex: Exchange,
+        msg: pb.ProcessingRequest,
+        write: Callable[[pb.ProcessingResponse], Awaitable[None]],
+    ) -> pb.ProcessingRequest:
         """Before the message that completes a request body is handled: the body's last chunk
         is buffered here (its one copy out of the message: the last chunk of a BUFFERED body is
         the whole body) and the exchange finishes on an empty end-of-stream chunk; where the
@@ -504,7 +517,21 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return msg
         if self.director.needs_prepare(ex.size):
             ex.parsed = await self.director.prepare(ex.chunks, ex.size, ex.headers, ex.subset)
+        gate = self.director.flow
+        if gate is not None and ex.size:
+            parsed = ex.parsed if ex.parsed is not None else self.director.parse(ex.chunks, ex.headers)
+            ex.parsed = parsed
+
+            async def hold() -> None:  # Envoy's message timer must outlast the wait
+                await write(self._hold_answer(gate.hold_timeout_s))
+
+            ex.held = await gate.admit(parsed, ex.subset, ex.size, hold)
         return result
+
+    @staticmethod
+    def _hold_answer(seconds: float) -> pb.ProcessingResponse:
+        """A held stream's only answer before its pick: the message timeout, extended."""
+        return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(seconds)))
 
     async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         """The gRPC handler, as a coroutine on grpc.aio's reader/writer API: each message is one
@@ -557,7 +584,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             while (msg := await read()) is not grpc.aio.EOF:
                 assert isinstance(msg, pb.ProcessingRequest), f"read() gave {type(msg).__name__}"
                 try:
-                    out = self._step(ex, await self._prepare(ex, msg))
+                    out = self._step(ex, await self._prepare(ex, msg, write))
                 except PickerError as err:
                     outcome = f"error_{err.status}"
                     if ex.pick is None or ex.pick.ticket is None:  # else counted by close()

@@ -38,6 +38,7 @@ from picker.feeds.subscribers import Subscribers
 from picker.serving.director import Director
 from picker.serving.explain import ExplainService
 from picker.serving.extproc import FULL_DUPLEX, ExtProcService
+from picker.serving.flow import FlowGate
 from picker.serving.http import debug_app, metrics_app
 from picker.serving.offload import BodyParser
 from picker.serving.telemetry import Telemetry
@@ -132,6 +133,10 @@ class PickerServer:
         self.parser = BodyParser(cfg.parse_offload_bytes)
         self.tokenization = Tokenization.from_config(self.router, cfg.prefix)
         self.director = Director(self.router, self.tokenization, self.telemetry, self.parser)
+        self.flow: FlowGate | None = None
+        """The ext_proc hold (flow control), when ``flow_control.enabled``."""
+        if cfg.flow_control.enabled:
+            self.flow = self.director.flow = FlowGate(self.director, cfg.flow_control, cfg.scrape.interval_s)
         self._stopping = asyncio.Event()
         self._subs: Subscribers | None = None
         self._force = asyncio.Event()
@@ -249,6 +254,7 @@ class PickerServer:
             tasks = [
                 asyncio.create_task(self.provider.run(self.pool)),
                 asyncio.create_task(self._watch_readiness()),
+                *([asyncio.create_task(self.flow.run())] if self.flow is not None else []),
                 *([asyncio.create_task(peers.run())] if peers is not None else []),
             ]
             try:
@@ -287,6 +293,8 @@ class PickerServer:
         self.draining = True
         await self._set_health(False)
         log.info("draining: no new streams; in-flight streams get up to %.0f s", self.opts.drain_timeout_s)
+        if self.flow is not None:
+            log.info("draining: %d queued requests dispatched or answered", self.flow.drain())
         stop = asyncio.create_task(ext.stop(grace=self.opts.drain_timeout_s))
         force = asyncio.create_task(self._force.wait())
         await asyncio.wait([stop, force], return_when=asyncio.FIRST_COMPLETED)

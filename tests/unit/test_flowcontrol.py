@@ -286,3 +286,16 @@ def test_config_section_both_spellings_and_headers() -> None:
     assert req.slo_ttft_ms == 100.0
     req, _ = parse(body, "/v1/completions", {"x-llm-d-slo-ttft-ms": "soon"})
     assert req.slo_ttft_ms == 0.0
+
+
+def test_a_sheddable_request_past_its_deadline_is_shed_at_its_turn() -> None:
+    pool = Pool(1)
+    pool.saturate(True)
+    fc, sent, answered = controller(pool, FlowControlConfig())
+    fc.offer(fc.item("late", -1, "", 100, 10, 0.0, slo_s=1.0), 0.0, predicted_ttft_s=0.1)
+    fc.offer(fc.item("kept", 0, "", 100, 10, 0.0, slo_s=1.0), 0.0, predicted_ttft_s=0.1)
+    pool.saturate(False)
+    fc.pump(2.0)
+    assert answered == ["late:429"] and sent == ["kept"]
+    assert fc.queue.counts[(-1, "shed_predicted_slo_miss")] == 1
+    assert fc.queue.counts[(0, "dispatched")] == 1

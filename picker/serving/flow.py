@@ -1,0 +1,252 @@
+"""The ext_proc hold: flow control (:mod:`picker.core.flowcontrol`) on the picker's event loop.
+
+While the pool is saturated a request's ext_proc stream is held unanswered once its body is
+whole: the exchange awaits :meth:`FlowGate.admit`. When capacity frees, the gate dispatches
+the queue in flow-control order, each request routed then by the normal policy
+(:meth:`Director.pick`, late binding), and the held exchange answers Envoy with that pick.
+
+- **Envoy's message timeout.** A held stream first sends a ``ProcessingResponse`` carrying only
+  ``override_message_timeout`` (the longest a request can wait here: the queue's TTL, or the
+  empty pool's, plus :data:`TIMEOUT_MARGIN_S`), which Envoy honours up to the filter's
+  ``max_message_timeout`` (the shipped configs set it: deploy/envoy/render.py). Envoy takes one
+  override per message it is waiting on.
+- **A client that goes away while queued.** Envoy resets the ext_proc stream; gRPC cancels the
+  handler, and :meth:`admit` takes the request out of the queue at once (``cancelled``). It was
+  never routed, so nothing was counted in flight.
+- **Draining.** :meth:`drain` dispatches every queued request (or answers 503 where no endpoint
+  is left) before the gRPC server stops taking streams' answers.
+- **When the queue moves**: every finished request (:meth:`poke`, from the director), every
+  ``tick_s`` (a scrape may have freed room), and at the earliest TTL or predicted prefill end
+  (:meth:`FlowController.next_wake`).
+
+Writer of the queue: this gate, on the event loop (the director's finish only pokes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from picker.core.endpoints.types import EndpointState
+from picker.core.errors import NoEndpoints, Overloaded, PickerError
+from picker.core.flowcontrol import (
+    FlowControlConfig,
+    FlowController,
+    Item,
+    Outcome,
+    queue_s,
+    typical_s,
+)
+from picker.core.request import Parsed
+from picker.serving.director import Director, Pick
+
+TIMEOUT_MARGIN_S = 5.0
+"""Added to the longest queue wait in the message-timeout override: the pick after a wait and
+the answer's trip to Envoy."""
+
+Picked = tuple[Pick, bytes | None]
+
+
+@dataclass(eq=False, slots=True)
+class Held:
+    """A held exchange: what its dispatch needs, and the future it waits on."""
+
+    parsed: Parsed
+    subset: Collection[str] | None
+    future: asyncio.Future[Picked] = field(repr=False)
+
+
+def error_for(outcome: Outcome, retry_after_s: int, band: int) -> PickerError:
+    """The client's answer for a flow-control outcome with a status (429 or 503)."""
+    if outcome.status == 503:
+        return NoEndpoints("no ready endpoint came while the request waited (flow control)")
+    why = {
+        Outcome.REJECTED_FULL: f"the queue of priority {band} is full",
+        Outcome.SHED_SLO: "the request's TTFT objective cannot be met; it is sheddable",
+        Outcome.EVICTED_TTL: "the request waited its queue TTL; it is sheddable",
+    }[outcome]
+    err = Overloaded(f"{why} (flow control)")
+    err.retry_after_s = retry_after_s
+    return err
+
+
+class FlowGate:
+    def __init__(
+        self,
+        director: Director,
+        cfg: FlowControlConfig,
+        tick_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.director, self.cfg, self.tick_s, self.clock = director, cfg, tick_s, clock
+        self.router = director.router
+        self.fc: FlowController[Held] = FlowController(
+            cfg, self._endpoints, self._dispatch, self._reject, self._local
+        )
+        self.hold_timeout_s = max(cfg.ttl_s, cfg.empty_pool_ttl_s) + TIMEOUT_MARGIN_S
+        """The message-timeout override a held stream sends Envoy, seconds."""
+        self._poke: asyncio.Event | None = None
+        self.held = 0
+        """Exchanges awaiting their dispatch now (gauge ``flow_control_queue_size`` counts the
+        queue itself)."""
+        telemetry = director.telemetry
+        self._waits = (
+            telemetry.tally.histogram(
+                "flow_control_request_queue_duration_seconds",
+                "Time requests spent in flow control, from enqueue to their outcome, by priority and outcome",
+                (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+                ["priority", "outcome"],
+            )
+            if telemetry is not None
+            else None
+        )
+        if telemetry is not None:
+            telemetry.registry.register(_Metrics(self))
+
+    # -- the controller's callbacks ---------------------------------------------------------------
+    def _endpoints(self) -> list[EndpointState]:
+        c = self.router.pool.routable()
+        self.router.accounting.expire(c)
+        return c
+
+    def _local(self, item: Item[Held], e: EndpointState) -> bool:
+        return self.router.cached_blocks(e.key, item.hashes) > 0
+
+    def _observe(self, item: Item[Held]) -> None:
+        if self._waits is not None and item.outcome is not None:
+            self._waits.labels(str(item.band), item.outcome.label).observe(self.clock() - item.arrived)
+
+    def _dispatch(self, item: Item[Held]) -> None:
+        held = item.payload
+        self._observe(item)
+        if held.future.done():  # its client went away in this very turn of the loop
+            return
+        try:
+            held.future.set_result(self.director.pick(held.parsed, held.subset))
+        except PickerError as err:
+            held.future.set_exception(err)
+
+    def _reject(self, item: Item[Held]) -> None:
+        assert item.outcome is not None, "a rejection without an outcome"
+        self._observe(item)
+        if not item.payload.future.done():
+            err = error_for(item.outcome, self.fc.retry_after(item.band), item.band)
+            item.payload.future.set_exception(err)
+
+    # -- the exchange's side ----------------------------------------------------------------------
+    async def admit(
+        self,
+        parsed: Parsed,
+        subset: Collection[str] | None,
+        size: int,
+        on_hold: Callable[[], Awaitable[None]],
+    ) -> Picked:
+        """Queue the request and wait for its dispatch: the pick (routed and started), or the
+        :class:`PickerError` it is answered with. ``on_hold`` runs once if it has to wait (it
+        sends Envoy the timeout override). Cancelled (the client went away): the request leaves
+        the queue, and a pick made in the same turn is finished at once."""
+        req = parsed[0]
+        now = self.clock()
+        priority, tokens, hashes, best = self.router.admission(req)
+        fut: asyncio.Future[Picked] = asyncio.get_running_loop().create_future()
+        item = self.fc.item(
+            Held(parsed, subset, fut),
+            priority,
+            req.fairness_id,
+            tokens,
+            size,
+            now,
+            req.slo_ttft_ms / 1000.0,
+            hashes,
+        )
+        adm = self.fc.offer(item, now, best)
+        if adm.outcome is not None and adm.outcome.status:
+            self._observe(item)
+            raise error_for(adm.outcome, adm.retry_after_s, priority)
+        if not fut.done():
+            self.held += 1
+            try:
+                await on_hold()
+                self.poke()
+                return await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                if self.fc.cancel(item, self.clock()):
+                    self._observe(item)
+                elif fut.done() and not fut.cancelled() and fut.exception() is None:
+                    self.director.finish(fut.result()[0], "aborted")  # routed, never answered
+                fut.cancel()
+                raise
+            finally:
+                self.held -= 1
+        return fut.result()
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def poke(self) -> None:
+        """Capacity may have freed (a request finished): pump soon."""
+        if self._poke is not None and len(self.fc.queue):
+            self._poke.set()
+
+    async def run(self) -> None:
+        """Pump on pokes, every ``tick_s``, and at :meth:`FlowController.next_wake`."""
+        self._poke = asyncio.Event()
+        while True:
+            wake = self.fc.next_wake()
+            delay = self.tick_s if wake is None else min(self.tick_s, max(0.0, wake - self.clock()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poke.wait(), delay)
+            self._poke.clear()
+            self.fc.pump(self.clock())
+
+    def drain(self) -> int:
+        """Stopping: every queued request is dispatched, or answered 503 with no endpoint left."""
+        return self.fc.drain(self.clock())
+
+    def saturation(self) -> float:
+        """``min over endpoints of queue_s / typical_s``: 1 or more is saturated (the set point,
+        as llm-d's ``flow_control_pool_saturation``); 1 with no endpoint."""
+        endpoints = self._endpoints()
+        return min((queue_s(e) / typical_s(e) for e in endpoints), default=1.0)
+
+
+class _Metrics(Collector):
+    """llm-d's ``flow_control_*`` gauges and counter, read from the queue when ``/metrics`` is."""
+
+    def __init__(self, gate: FlowGate) -> None:
+        self.gate = gate
+
+    def collect(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
+        q = self.gate.fc.queue
+        size = GaugeMetricFamily(
+            "flow_control_queue_size",
+            "Requests held in the flow-control queue, by priority",
+            labels=["priority"],
+        )
+        size_b = GaugeMetricFamily(
+            "flow_control_queue_bytes",
+            "Request body bytes held in the flow-control queue, by priority",
+            labels=["priority"],
+        )
+        for band in q.bands():
+            n, b = q.band_depth(band)
+            size.add_metric([str(band)], n)
+            size_b.add_metric([str(band)], b)
+        total = CounterMetricFamily(
+            "flow_control_requests",
+            "Requests that left flow control, by outcome and priority (docs/flow-control.md)",
+            labels=["outcome", "priority"],
+        )
+        for (band, label), n in sorted(q.counts.items()):
+            total.add_metric([label, str(band)], n)
+        sat = GaugeMetricFamily(
+            "flow_control_pool_saturation",
+            "min over endpoints of predicted queue time / one typical request's prefill and step: "
+            "1 or more is saturated (requests wait in the picker)",
+            value=self.gate.saturation(),
+        )
+        return [size, size_b, total, sat]
