@@ -38,8 +38,9 @@ between any two flows backlogged in the same band, ``served`` differs by at most
 **Bounds and outcomes** (each counted by band and outcome in :attr:`FlowQueue.counts`):
 
 - ``dispatched``: left the queue to be routed (wait 0 when the pool had room);
-- ``rejected_queue_full`` (429): the band already holds ``max_requests`` requests or
-  ``max_bytes`` bytes;
+- ``rejected_queue_full`` (429): sheddable, and its band already holds ``max_requests``
+  requests or ``max_bytes`` bytes; ``dispatched_queue_full``: the same, not sheddable: sent on at
+  once (a request that may not be shed is never answered 429);
 - ``shed_predicted_slo_miss`` (429): sheddable (priority < 0), with a TTFT objective the model
   predicts it misses (best endpoint's TTFT plus the predicted wait here), at arrival; or, at
   its turn, already past its deadline (arrival + objective);
@@ -81,6 +82,7 @@ class Outcome(enum.Enum):
     DISPATCHED = ("dispatched", 0)
     DISPATCHED_TTL = ("dispatched_ttl", 0)
     REJECTED_FULL = ("rejected_queue_full", 429)
+    DISPATCHED_FULL = ("dispatched_queue_full", 0)
     SHED_SLO = ("shed_predicted_slo_miss", 429)
     EVICTED_TTL = ("evicted_ttl", 429)
     NO_ENDPOINTS = ("no_endpoints", 503)
@@ -230,13 +232,12 @@ class FlowQueue(Generic[P]):
 
     # -- in --------------------------------------------------------------------------------------
     def push(self, item: Item[P], now: float) -> bool:
-        """Queue ``item``; False (counted ``rejected_queue_full``) when its band is full."""
+        """Queue ``item``; False when its band is full (the caller decides its outcome)."""
         band = self._bands.get(item.band)
         if band is None:
             band = self._bands[item.band] = _Band()
             self._order = sorted(self._bands, reverse=True)
         if band.requests + 1 > self.cfg.max_requests or band.bytes + item.size > self.cfg.max_bytes:
-            self.finish(item, Outcome.REJECTED_FULL, now)
             return False
         flow = band.flows.get(item.flow)
         if flow is None:
@@ -484,7 +485,12 @@ class FlowController(Generic[P]):
                     return Admission(item, Outcome.SHED_SLO, self.retry_after(item.band))
                 q.count(item, PREDICTED_MISS)
         if not q.push(item, now):
-            return Admission(item, Outcome.REJECTED_FULL, self.retry_after(item.band))
+            if item.sheddable:
+                q.finish(item, Outcome.REJECTED_FULL, now)
+                return Admission(item, Outcome.REJECTED_FULL, self.retry_after(item.band))
+            q.finish(item, Outcome.DISPATCHED_FULL, now)  # never 429 for a request that may not be shed
+            self.dispatch(item)
+            return Admission(item, None)
         self.pump(now)
         return Admission(item, None)
 

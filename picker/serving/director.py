@@ -194,4 +194,7 @@ class Director:
             raise BadRequest(f"unknown policy {policy!r}; known: {sorted(self.router.profiles)}")
         hdrs = {**headers, ":path": path or "/v1/completions"}
         req, _, _ = await self.prepare([body], len(body), hdrs)
-        return self.router.explain(req, policy or None)
+        out = self.router.explain(req, policy or None)
+        if self.flow is not None:
+            out["flow_control"] = self.flow.explain(req)
+        return out

@@ -30,12 +30,10 @@ import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
-
 from picker.core.endpoints.types import EndpointState
 from picker.core.errors import NoEndpoints, Overloaded, PickerError
 from picker.core.flowcontrol import (
+    DEFAULT_FLOW,
     FlowControlConfig,
     FlowController,
     Item,
@@ -43,7 +41,7 @@ from picker.core.flowcontrol import (
     queue_s,
     typical_s,
 )
-from picker.core.request import Parsed
+from picker.core.request import InferenceRequest, Parsed
 from picker.serving.director import Director, Pick
 
 TIMEOUT_MARGIN_S = 5.0
@@ -96,18 +94,9 @@ class FlowGate:
         """Exchanges awaiting their dispatch now (gauge ``flow_control_queue_size`` counts the
         queue itself)."""
         telemetry = director.telemetry
-        self._waits = (
-            telemetry.tally.histogram(
-                "flow_control_request_queue_duration_seconds",
-                "Time requests spent in flow control, from enqueue to their outcome, by priority and outcome",
-                (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
-                ["priority", "outcome"],
-            )
-            if telemetry is not None
-            else None
-        )
+        self._waits = telemetry.flow_waits if telemetry is not None else None
         if telemetry is not None:
-            telemetry.registry.register(_Metrics(self))
+            telemetry.flow = self
 
     # -- the controller's callbacks ---------------------------------------------------------------
     def _endpoints(self) -> list[EndpointState]:
@@ -207,46 +196,35 @@ class FlowGate:
         """Stopping: every queued request is dispatched, or answered 503 with no endpoint left."""
         return self.fc.drain(self.clock())
 
+    def explain(self, req: InferenceRequest) -> dict[str, object]:
+        """What flow control would do with ``req`` now (nothing is queued): its band and flow,
+        whether the pool has room, the wait predicted ahead of it, and the queue by band."""
+        priority = self.router.objectives.priority(req.objective)
+        endpoints = self._endpoints()
+        q = self.fc.queue
+        return {
+            "priority": priority,
+            "flow": req.fairness_id or DEFAULT_FLOW,
+            "slo_ttft_ms": req.slo_ttft_ms,
+            "saturation": round(self.saturation(), 4),
+            "room": {e.key: round(typical_s(e) - queue_s(e), 6) for e in endpoints},
+            "predicted_wait_s": round(self.fc.predicted_wait_s(priority, endpoints), 6) if len(q) else 0.0,
+            "queued": {
+                str(b): {"requests": q.band_depth(b)[0], "bytes": q.band_depth(b)[1]} for b in q.bands()
+            },
+            "outcomes": {f"{b}:{label}": n for (b, label), n in sorted(q.counts.items())},
+        }
+
+    def depths(self) -> dict[int, tuple[int, int]]:
+        """Band → (requests, bytes) queued (for the telemetry)."""
+        q = self.fc.queue
+        return {b: q.band_depth(b) for b in q.bands()}
+
+    def counts(self) -> dict[tuple[int, str], int]:
+        return self.fc.queue.counts
+
     def saturation(self) -> float:
         """``min over endpoints of queue_s / typical_s``: 1 or more is saturated (the set point,
         as llm-d's ``flow_control_pool_saturation``); 1 with no endpoint."""
         endpoints = self._endpoints()
         return min((queue_s(e) / typical_s(e) for e in endpoints), default=1.0)
-
-
-class _Metrics(Collector):
-    """llm-d's ``flow_control_*`` gauges and counter, read from the queue when ``/metrics`` is."""
-
-    def __init__(self, gate: FlowGate) -> None:
-        self.gate = gate
-
-    def collect(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
-        q = self.gate.fc.queue
-        size = GaugeMetricFamily(
-            "flow_control_queue_size",
-            "Requests held in the flow-control queue, by priority",
-            labels=["priority"],
-        )
-        size_b = GaugeMetricFamily(
-            "flow_control_queue_bytes",
-            "Request body bytes held in the flow-control queue, by priority",
-            labels=["priority"],
-        )
-        for band in q.bands():
-            n, b = q.band_depth(band)
-            size.add_metric([str(band)], n)
-            size_b.add_metric([str(band)], b)
-        total = CounterMetricFamily(
-            "flow_control_requests",
-            "Requests that left flow control, by outcome and priority (docs/flow-control.md)",
-            labels=["outcome", "priority"],
-        )
-        for (band, label), n in sorted(q.counts.items()):
-            total.add_metric([label, str(band)], n)
-        sat = GaugeMetricFamily(
-            "flow_control_pool_saturation",
-            "min over endpoints of predicted queue time / one typical request's prefill and step: "
-            "1 or more is saturated (requests wait in the picker)",
-            value=self.gate.saturation(),
-        )
-        return [size, size_b, total, sat]

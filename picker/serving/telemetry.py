@@ -60,6 +60,16 @@ class ScrapeCounts(Protocol):
     def scrapes_here(self, key: str) -> bool: ...
 
 
+class FlowCounts(Protocol):
+    """What the telemetry mirrors of flow control (:class:`picker.serving.flow.FlowGate`)."""
+
+    def depths(self) -> dict[int, tuple[int, int]]: ...
+
+    def counts(self) -> dict[tuple[int, str], int]: ...
+
+    def saturation(self) -> float: ...
+
+
 class Telemetry:
     def __init__(
         self,
@@ -196,6 +206,37 @@ class Telemetry:
             "Reads that left a socket with more than 256 messages queued (a flood: the rest follows)",
             registry=r,
         )
+        self.flow_waits = tally.histogram(
+            "flow_control_request_queue_duration_seconds",
+            "Time requests spent in flow control, from enqueue to their outcome (docs/flow-control.md)",
+            (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+            ["priority", "outcome"],
+        )
+        """Labels bounded by the configured priorities and the outcomes of docs/flow-control.md."""
+        self.flow_requests = Counter(
+            "flow_control_requests",
+            "Requests that left flow control, by outcome and priority (docs/flow-control.md)",
+            ["outcome", "priority"],
+            registry=r,
+        )
+        self.flow_queue_size = Gauge(
+            "flow_control_queue_size", "Requests held in the flow-control queue", ["priority"], registry=r
+        )
+        self.flow_queue_bytes = Gauge(
+            "flow_control_queue_bytes",
+            "Request body bytes held in the flow-control queue",
+            ["priority"],
+            registry=r,
+        )
+        self.flow_saturation = Gauge(
+            "flow_control_pool_saturation",
+            "min over endpoints of (predicted queue time / one typical request's prefill and step): "
+            "1 or more is saturated, and requests wait in the picker",
+            registry=r,
+        )
+        self.flow: FlowCounts | None = None
+        """The flow control whose queue :meth:`refresh` mirrors (None: off). Writer: the gate."""
+        self._flow_seen: dict[tuple[int, str], int] = {}
         r.register(tally)
         self.inbox = inbox
         """The inbox whose counts :meth:`refresh` mirrors (None: no inbox metrics)."""
@@ -245,6 +286,8 @@ class Telemetry:
             self._mirror_scrapes(self.scraper, live)
         if self.inbox is not None:
             self._mirror_inbox(self.inbox)
+        if self.flow is not None:
+            self._mirror_flow(self.flow)
         self.ready_pods.labels(self.pool_name).set(ready)
         self.avg_kv.labels(self.pool_name).set(kv / ready if ready else 0.0)
         self.avg_queue.labels(self.pool_name).set(queue / ready if ready else 0.0)
@@ -260,6 +303,16 @@ class Telemetry:
         self.inbox_messages.inc(inbox.messages - messages)
         self.inbox_short.inc(inbox.short - short)
         self._inbox_seen = (dict(inbox.reads), inbox.messages, inbox.short)
+
+    def _mirror_flow(self, flow: FlowCounts) -> None:
+        for band, (n, size) in flow.depths().items():
+            self.flow_queue_size.labels(str(band)).set(n)
+            self.flow_queue_bytes.labels(str(band)).set(size)
+        counts = flow.counts()
+        for (band, label), n in counts.items():
+            self.flow_requests.labels(label, str(band)).inc(n - self._flow_seen.get((band, label), 0))
+        self._flow_seen = dict(counts)
+        self.flow_saturation.set(flow.saturation())
 
     def _mirror_scrapes(self, scraper: ScrapeCounts, live: set[str]) -> None:
         own, peer = scraper.own_scrapes, scraper.peer_outcomes

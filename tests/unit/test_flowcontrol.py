@@ -125,18 +125,6 @@ def test_locality_bound_holds_under_random_traffic() -> None:
     assert q.max_skew <= cfg.locality_slack + biggest
 
 
-def test_band_limits_reject_with_429() -> None:
-    q: FlowQueue[str] = FlowQueue(FlowControlConfig(max_requests=2, max_bytes=25))
-    assert q.push(item("a", size=10), 0.0) and q.push(item("b", size=10), 0.0)
-    full = item("c", size=1)
-    assert not q.push(full, 0.0)
-    assert full.outcome is Outcome.REJECTED_FULL and full.outcome.status == 429
-    assert q.push(item("other-band", band=1, size=10), 0.0)  # limits are per band
-    q.pop(0.0)
-    assert not q.push(item("too-big", band=0, size=16), 0.0)  # 10 + 16 > 25 bytes
-    assert q.counts[(0, "rejected_queue_full")] == 2
-
-
 class Pool:
     """Endpoints whose saturation a test sets directly (through the load model's inputs)."""
 
@@ -299,3 +287,22 @@ def test_a_sheddable_request_past_its_deadline_is_shed_at_its_turn() -> None:
     assert answered == ["late:429"] and sent == ["kept"]
     assert fc.queue.counts[(-1, "shed_predicted_slo_miss")] == 1
     assert fc.queue.counts[(0, "dispatched")] == 1
+
+
+def test_band_limits_shed_sheddable_with_429_and_send_the_rest_on() -> None:
+    pool = Pool(1)
+    pool.saturate(True)
+    fc, sent, _ = controller(pool, FlowControlConfig(max_requests=2, max_bytes=25))
+    q = fc.queue
+    assert fc.offer(fc.item("a", -1, "", 1, 10, 0.0), 0.0).outcome is None
+    assert fc.offer(fc.item("b", -1, "", 1, 10, 0.0), 0.0).outcome is None
+    full = fc.offer(fc.item("c", -1, "", 1, 1, 0.0), 0.0)
+    assert full.outcome is Outcome.REJECTED_FULL and full.outcome.status == 429 and full.retry_after_s >= 1
+    assert fc.offer(fc.item("other-band", 0, "", 1, 10, 0.0), 0.0).outcome is None  # limits are per band
+    assert fc.offer(fc.item("o2", 0, "", 1, 10, 0.0), 0.0).outcome is None
+    assert fc.offer(fc.item("o3", 0, "", 1, 1, 0.0), 0.0).outcome is None and sent == ["o3"]
+    assert q.counts[(0, "dispatched_queue_full")] == 1
+    q.pop(0.0)  # "other-band" leaves band 0...
+    big = fc.offer(fc.item("too-big", -1, "", 1, 16, 0.0), 0.0)  # ...but band -1: 10 + 10 + 16 > 25
+    assert big.outcome is Outcome.REJECTED_FULL
+    assert q.counts[(-1, "rejected_queue_full")] == 2
