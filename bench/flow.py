@@ -77,7 +77,15 @@ def run(
     )
     c.run(list(rows), time_scale)
     window = (rows[-1].arrival_s - rows[0].arrival_s) * time_scale
-    return c, summary(c, c.records, window, time.perf_counter() - t0)
+    out = summary(c, c.records, window, time.perf_counter() - t0)
+    tokens = {r.index: r.input_length for r in rows}
+    total = sum(tokens.values())
+    served = sum(tokens[r.row] for r in c.records if r.ttft is not None)
+    good = sum(tokens[r.row] for r in c.records if r.ttft is not None and r.ttft <= 2.0)
+    out["served_token_share"] = served / total if total else 0.0
+    out["token_goodput_2s"] = good / window if window > 0 else 0.0
+    # token_goodput_2s: prompt tokens of the requests served within 2 s, per second of the window
+    return c, out
 
 
 def summary(c: Cluster, records: Sequence[Any], window: float, wall: float = 0.0) -> dict[str, Any]:
