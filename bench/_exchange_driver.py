@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -64,6 +65,11 @@ def service() -> ExtProcService:
     except ImportError:  # an older tree, run side by side: its own constructor
         return ExtProcService(router, telemetry, BUFFERED, None, "when-needed", max_streams=4096)  # type: ignore[call-arg, arg-type, misc, unused-ignore]
     director = Director(router, Tokenization(router), telemetry, None)
+    if os.environ.get("KVPICK_EXCHANGE_FLOW") == "on":  # flow control on, the pool never saturated
+        from picker.core.flowcontrol import FlowControlConfig
+        from picker.serving.flow import FlowGate
+
+        director.flow = FlowGate(director, FlowControlConfig(enabled=True), tick_s=0.2)
     return ExtProcService(director, BUFFERED, "when-needed", max_streams=4096)
 
 

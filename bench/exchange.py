@@ -36,10 +36,22 @@ SIZES = {"8k": 8 * 1024, "220k": 220 * 1024}
 DRIVER = pathlib.Path(__file__).with_name("_exchange_driver.py")
 
 
+FC = "+fc"
+"""The source name of this checkout with flow control on (``--flow-control``)."""
+
+
 def run_once(source: str, size: int, requests: int) -> float:
-    """µs of loop-thread CPU per request, for one source tree ("" = this checkout)."""
-    root = source or str(pathlib.Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": root}
+    """µs of loop-thread CPU per request, for one source tree ("" = this checkout; :data:`FC`:
+    this checkout with flow control on)."""
+    flow = source == FC
+    root = "" if flow else source
+    root = root or str(pathlib.Path(__file__).resolve().parent.parent)
+    env = {
+        **os.environ,
+        "PYTHONSAFEPATH": "1",
+        "PYTHONPATH": root,
+        "KVPICK_EXCHANGE_FLOW": "on" if flow else "",
+    }
     out = subprocess.run(
         [sys.executable, str(DRIVER), str(size), str(requests)],
         env=env,
@@ -66,8 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="8k,220k", help=f"comma-separated, of {', '.join(SIZES)}")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--requests", type=int, default=2000, help="timed requests per repeat")
+    p.add_argument(
+        "--flow-control",
+        action="store_true",
+        help="also run this checkout with flow control on (never saturated), as source this+fc",
+    )
     a = p.parse_args(argv)
     sources = {"this": "", **dict(s.split("=", 1) for s in a.source)}
+    if a.flow_control:
+        sources["this+fc"] = FC
     results: dict[tuple[str, str], list[float]] = {}
     for size in a.sizes.split(","):
         n = a.requests if SIZES[size] < 64 * 1024 else max(1, a.requests // 4)

@@ -494,6 +494,17 @@ class FlowController(Generic[P]):
         self.pump(now)
         return Admission(item, None)
 
+    def pass_through(self, band: int) -> bool:
+        """The fast path of a request without a TTFT objective: True (counted ``dispatched``,
+        wait 0; the caller routes it now) when nothing is queued and some endpoint has room, as
+        :meth:`offer` would have dispatched it at once; else False (the caller offers it)."""
+        q = self.queue
+        if len(q) or freest(self.endpoints()) is None:
+            return False
+        key = (band, Outcome.DISPATCHED.label)
+        q.counts[key] = q.counts.get(key, 0) + 1
+        return True
+
     def cancel(self, item: Item[P], now: float) -> bool:
         """The client went away: out of the queue at once. False when it was not queued."""
         return self.queue.remove(item, now)

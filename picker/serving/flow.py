@@ -43,6 +43,7 @@ from picker.core.flowcontrol import (
 )
 from picker.core.request import InferenceRequest, Parsed
 from picker.serving.director import Director, Pick
+from picker.serving.tally import Observations
 
 TIMEOUT_MARGIN_S = 5.0
 """Added to the longest queue wait in the message-timeout override: the pick after a wait and
@@ -97,6 +98,8 @@ class FlowGate:
         self._waits = telemetry.flow_waits if telemetry is not None else None
         if telemetry is not None:
             telemetry.flow = self
+        self._passed: dict[int, Observations] = {}
+        """Band → its bound ``dispatched`` wait child (the fast path observes 0 per request)."""
 
     # -- the controller's callbacks ---------------------------------------------------------------
     def _endpoints(self) -> list[EndpointState]:
@@ -135,12 +138,22 @@ class FlowGate:
         subset: Collection[str] | None,
         size: int,
         on_hold: Callable[[], Awaitable[None]],
-    ) -> Picked:
-        """Queue the request and wait for its dispatch: the pick (routed and started), or the
-        :class:`PickerError` it is answered with. ``on_hold`` runs once if it has to wait (it
+    ) -> Picked | None:
+        """None at once when nothing is queued and the pool has room (the request has no TTFT
+        objective to judge): the caller routes it as usual. Else queue the request and wait for
+        its dispatch: the pick (routed and started), or the :class:`PickerError` it is answered with. ``on_hold`` runs once if it has to wait (it
         sends Envoy the timeout override). Cancelled (the client went away): the request leaves
         the queue, and a pick made in the same turn is finished at once."""
         req = parsed[0]
+        if req.slo_ttft_ms <= 0:
+            band = self.router.objectives.priority(req.objective)
+            if self.fc.pass_through(band):
+                if self._waits is not None:
+                    child = self._passed.get(band)
+                    if child is None:
+                        child = self._passed[band] = self._waits.labels(str(band), Outcome.DISPATCHED.label)
+                    child.observe(0.0)
+                return None
         now = self.clock()
         priority, tokens, hashes, best = self.router.admission(req)
         fut: asyncio.Future[Picked] = asyncio.get_running_loop().create_future()
