@@ -178,3 +178,40 @@ def test_pd_cli_compares_splits_and_deciders(tmp_path: pathlib.Path, capsys: obj
     results = json.loads(out.read_text())
     assert [(r["pd"], r["decider"]) for r in results] == [("", ""), ("1P3D", "cost"), ("1P3D", "never")]
     assert all(r["itl_p90"] > 0 for r in results)
+
+
+def test_flow_control_holds_sheds_and_answers_every_request(tmp_path: pathlib.Path) -> None:
+    """A burst far past two replicas' capacity: with flow control every request is served or
+    shed (sheddable, 2 s objective), none is left queued or in flight, and the served keep their
+    objective far better than without."""
+    import dataclasses
+
+    from bench.cluster import Tag
+    from picker.core.config import RouterConfig
+    from picker.core.flowcontrol import FlowControlConfig
+
+    raw = [
+        {"timestamp": 10 * k, "input_length": 6000, "output_length": 4, "hash_ids": [k % 4, 100 + k]}
+        for k in range(120)
+    ]
+    rows = trace.read(write_trace(tmp_path / "t.jsonl", raw))
+    cfg = RouterConfig(objectives={"batch": -1})
+
+    def tag(r: trace.Row) -> Tag:
+        return Tag(objective="batch", fairness_id=f"t{r.index % 2}", slo_ttft_ms=2000.0)
+
+    def run(on: bool) -> Cluster:
+        fc = dataclasses.replace(FlowControlConfig(), enabled=on)
+        c = Cluster(2, "cost", profile("h100-llama-3.1-8b"), router_cfg=cfg, flow_control=fc, tags=tag)
+        c.run(rows)
+        return c
+
+    on, off = run(True), run(False)
+    outcomes = {r.outcome for r in on.records}
+    assert outcomes <= {"served", "shed_predicted_slo_miss"} and "served" in outcomes, outcomes
+    [fc] = on.flows.values()
+    assert len(fc.queue) == 0
+    assert all(s.load.in_flight_requests == 0 for s in on.router.pool)
+    late = lambda c: sum(1 for r in c.records if r.ttft is not None and r.ttft > 2.0)  # noqa: E731
+    assert late(on) < late(off), (late(on), late(off))
+    assert not off.flows and {r.outcome for r in off.records} == {"served"}
