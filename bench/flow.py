@@ -216,21 +216,23 @@ def jain(xs: Sequence[float]) -> float:
 
 def cmd_tenants(rows: Sequence[trace.Row], a: argparse.Namespace) -> list[dict[str, Any]]:
     """At 1.5 × capacity, tenant ``noisy`` sends 10 requests for each of ``quiet``'s (drawn per
-    row with seed ``a.seed``). Compared: flow control with fair flows (the fairness id), flow
-    control with one flow (fairness ids ignored), no flow control; and the reference, the whole
-    trace at 0.8 × capacity with flow control."""
+    row with seed ``a.seed``), both in one sheddable band (no TTFT objective: the excess is shed
+    at the queue TTL). Compared: flow control with fair flows (the fairness id), flow control
+    with one flow (no fairness id), no flow control; and the reference, the whole trace at 0.8 ×
+    capacity with flow control."""
     rate, cap = trace_rate(rows), a.capacity_rps
     rng = random.Random(a.seed)
     tenant = {r.index: ("quiet" if rng.random() < 1 / 11 else "noisy") for r in rows}
-    fair: Callable[[trace.Row], Tag] = lambda r: Tag(fairness_id=tenant[r.index])  # noqa: E731
+    fair: Callable[[trace.Row], Tag] = lambda r: Tag("sheddable", tenant[r.index])  # noqa: E731
+    one: Callable[[trace.Row], Tag] = lambda r: Tag("sheddable")  # noqa: E731
     out = []
-    _, ref = run(rows, "cost", True, rate / (0.8 * cap), a.seed, fair)
+    _, ref = run(rows, "cost", True, rate / (0.8 * cap), a.seed, fair, SHEDDABLE)
     ref.update(case="whole trace at 0.8 × capacity, FC")
     out.append(ref)
     print(f"reference p90 at 0.8: {ref['ttft_p90']:.3f}", flush=True)
-    cases = [("FC, fair flows", True, fair), ("FC, one flow", True, None), ("no FC", False, fair)]
+    cases = [("FC, fair flows", True, fair), ("FC, one flow", True, one), ("no FC", False, fair)]
     for name, fc, tags in cases:
-        c, s = run(rows, "cost", fc, rate / (1.5 * cap), a.seed, tags)
+        c, s = run(rows, "cost", fc, rate / (1.5 * cap), a.seed, tags, SHEDDABLE)
         window = s["window_s"]
         per = {}
         for t, recs in by(c.records, lambda r: tenant[r.row]).items():

@@ -499,7 +499,7 @@ class FlowController(Generic[P]):
         wait 0; the caller routes it now) when nothing is queued and some endpoint has room, as
         :meth:`offer` would have dispatched it at once; else False (the caller offers it)."""
         q = self.queue
-        if len(q) or freest(self.endpoints()) is None:
+        if len(q) or not any(map(has_room, self.endpoints())):
             return False
         key = (band, Outcome.DISPATCHED.label)
         q.counts[key] = q.counts.get(key, 0) + 1
