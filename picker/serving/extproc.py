@@ -31,6 +31,11 @@ Message order per HTTP request (one gRPC stream):
 becomes an :class:`~picker.core.errors.InternalError` (500) at the same boundary.
 
 When the client sent no ``x-request-id``, the one generated for it is set on the upstream request.
+
+With flow control on (:mod:`picker.serving.flow`), a whole body is admitted through the gate
+before its pick: while the pool is saturated the stream's only answer is a message-timeout
+override, and the request is answered with the pick the gate made when it dispatched it (or the
+gate's 429/503).
 """
 
 from __future__ import annotations
