@@ -376,7 +376,17 @@ def typical_s(e: EndpointState) -> float:
 
 
 def has_room(e: EndpointState) -> bool:
-    return queue_s(e) < typical_s(e)
+    """``queue_s(e) < typical_s(e)``, both sides times the prefill rate (one pass, per request
+    on the fast path)."""
+    m, model, load, peer = e.metrics, e.model, e.load, e.peer_load
+    u = model.uncached_per_request
+    foreign = (m.waiting - load.pending_requests) * u
+    queued = (
+        load.pending_prefill_tokens + max(foreign, peer.pending_prefill_tokens) + load.unseen_requests * u
+    )
+    sent = load.in_flight_requests - load.finished_streams + peer.in_flight_requests
+    batch = m.running if m.running > sent else sent
+    return queued < u + (model.step_base_s + model.step_per_seq_s * batch) * model.prefill_rate
 
 
 def freest(endpoints: Iterable[EndpointState]) -> EndpointState | None:
@@ -494,12 +504,14 @@ class FlowController(Generic[P]):
         self.pump(now)
         return Admission(item, None)
 
-    def pass_through(self, band: int) -> bool:
+    def pass_through(self, band: int, endpoints: Iterable[EndpointState]) -> bool:
         """The fast path of a request without a TTFT objective: True (counted ``dispatched``,
-        wait 0; the caller routes it now) when nothing is queued and some endpoint has room, as
-        :meth:`offer` would have dispatched it at once; else False (the caller offers it)."""
+        wait 0; the caller routes it now) when nothing is queued and one of ``endpoints`` has
+        room, as :meth:`offer` would have dispatched it at once; else False (the caller offers
+        it). ``endpoints`` need not have had their predicted prefill ends expired: a stale
+        pending prefill only sends the request the slow way, whose pump expires them."""
         q = self.queue
-        if len(q) or not any(map(has_room, self.endpoints())):
+        if len(q) or not any(map(has_room, endpoints)):
             return False
         key = (band, Outcome.DISPATCHED.label)
         q.counts[key] = q.counts.get(key, 0) + 1

@@ -54,7 +54,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import duration_pb2, struct_pb2
+from google.protobuf import struct_pb2
 
 from picker.core.endpoints.types import Endpoint
 from picker.core.errors import BodyTooLarge, InternalError, PickerError
@@ -526,17 +526,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if gate is not None and ex.size:
             parsed = ex.parsed if ex.parsed is not None else self.director.parse(ex.chunks, ex.headers)
             ex.parsed = parsed
-
-            async def hold() -> None:  # Envoy's message timer must outlast the wait
-                await write(self._hold_answer(gate.hold_timeout_s))
-
-            ex.held = await gate.admit(parsed, ex.subset, ex.size, hold)
+            if not gate.pass_through(parsed[0]):
+                ex.held = await gate.admit(parsed, ex.subset, ex.size, write)
         return result
-
-    @staticmethod
-    def _hold_answer(seconds: float) -> pb.ProcessingResponse:
-        """A held stream's only answer before its pick: the message timeout, extended."""
-        return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=int(seconds)))
 
     async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         """The gRPC handler, as a coroutine on grpc.aio's reader/writer API: each message is one

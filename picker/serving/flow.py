@@ -26,9 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import duration_pb2
 
 from picker.core.endpoints.types import EndpointState
 from picker.core.errors import NoEndpoints, Overloaded, PickerError
@@ -43,7 +47,6 @@ from picker.core.flowcontrol import (
 )
 from picker.core.request import InferenceRequest, Parsed
 from picker.serving.director import Director, Pick
-from picker.serving.tally import Observations
 
 TIMEOUT_MARGIN_S = 5.0
 """Added to the longest queue wait in the message-timeout override: the pick after a wait and
@@ -90,6 +93,10 @@ class FlowGate:
         )
         self.hold_timeout_s = max(cfg.ttl_s, cfg.empty_pool_ttl_s) + TIMEOUT_MARGIN_S
         """The message-timeout override a held stream sends Envoy, seconds."""
+        self.hold_answer = pb.ProcessingResponse(
+            override_message_timeout=duration_pb2.Duration(seconds=math.ceil(self.hold_timeout_s))
+        )
+        """A held stream's only answer before its pick (built once, never modified)."""
         self._poke: asyncio.Event | None = None
         self.held = 0
         """Exchanges awaiting their dispatch now (gauge ``flow_control_queue_size`` counts the
@@ -98,8 +105,6 @@ class FlowGate:
         self._waits = telemetry.flow_waits if telemetry is not None else None
         if telemetry is not None:
             telemetry.flow = self
-        self._passed: dict[int, Observations] = {}
-        """Band → its bound ``dispatched`` wait child (the fast path observes 0 per request)."""
 
     # -- the controller's callbacks ---------------------------------------------------------------
     def _endpoints(self) -> list[EndpointState]:
@@ -132,28 +137,28 @@ class FlowGate:
             item.payload.future.set_exception(err)
 
     # -- the exchange's side ----------------------------------------------------------------------
+    def pass_through(self, req: InferenceRequest) -> bool:
+        """The fast path, True: nothing is queued, the pool has room and ``req`` has no TTFT
+        objective to judge; the caller routes it as usual (counted ``dispatched``, not observed
+        in the wait histogram). False: :meth:`admit` it."""
+        if req.slo_ttft_ms > 0:
+            return False
+        return self.fc.pass_through(
+            self.router.objectives.priority(req.objective), self.router.pool.routable()
+        )
+
     async def admit(
         self,
         parsed: Parsed,
         subset: Collection[str] | None,
         size: int,
-        on_hold: Callable[[], Awaitable[None]],
-    ) -> Picked | None:
-        """None at once when nothing is queued and the pool has room (the request has no TTFT
-        objective to judge): the caller routes it as usual. Else queue the request and wait for
-        its dispatch: the pick (routed and started), or the :class:`PickerError` it is answered with. ``on_hold`` runs once if it has to wait (it
-        sends Envoy the timeout override). Cancelled (the client went away): the request leaves
-        the queue, and a pick made in the same turn is finished at once."""
+        write: Callable[[pb.ProcessingResponse], Awaitable[None]],
+    ) -> Picked:
+        """Queue the request and wait for its dispatch: the pick (routed and started), or the
+        :class:`PickerError` it is answered with. If it has to wait, :attr:`hold_answer` is
+        written first (Envoy's message timeout, extended). Cancelled (the client went away):
+        the request leaves the queue, and a pick made in the same turn is finished at once."""
         req = parsed[0]
-        if req.slo_ttft_ms <= 0:
-            band = self.router.objectives.priority(req.objective)
-            if self.fc.pass_through(band):
-                if self._waits is not None:
-                    child = self._passed.get(band)
-                    if child is None:
-                        child = self._passed[band] = self._waits.labels(str(band), Outcome.DISPATCHED.label)
-                    child.observe(0.0)
-                return None
         now = self.clock()
         priority, tokens, hashes, best = self.router.admission(req)
         fut: asyncio.Future[Picked] = asyncio.get_running_loop().create_future()
@@ -174,7 +179,7 @@ class FlowGate:
         if not fut.done():
             self.held += 1
             try:
-                await on_hold()
+                await write(self.hold_answer)
                 self.poke()
                 return await asyncio.shield(fut)
             except asyncio.CancelledError:

@@ -306,3 +306,16 @@ def test_band_limits_shed_sheddable_with_429_and_send_the_rest_on() -> None:
     big = fc.offer(fc.item("too-big", -1, "", 1, 16, 0.0), 0.0)  # ...but band -1: 10 + 10 + 16 > 25
     assert big.outcome is Outcome.REJECTED_FULL
     assert q.counts[(-1, "rejected_queue_full")] == 2
+
+
+def test_has_room_is_queue_s_under_typical_s() -> None:
+    rng = random.Random(3)
+    for _ in range(500):
+        e = EndpointState(Endpoint("10.0.0.1", 8000))
+        e.metrics = EndpointMetrics(waiting=rng.randint(0, 6), running=rng.randint(0, 40))
+        e.load.pending_prefill_tokens = rng.randint(0, 20000)
+        e.load.pending_requests = rng.randint(0, 4)
+        e.load.in_flight_requests = rng.randint(0, 50)
+        e.peer_load.pending_prefill_tokens = rng.randint(0, 5000)
+        e.model.uncached_per_request = rng.uniform(100, 8000)
+        assert has_room(e) == (queue_s(e) < typical_s(e))
