@@ -6,6 +6,9 @@ prompt prefix (same system prompt, same chat history, same document) share a tex
 - ``/v1/chat/completions``: tools first (they precede messages in chat templates), then each
   message as ``role\\n content`` with text content parts concatenated.
 - ``/v1/responses``: instructions, then input (a string or a list of message items).
+- ``/v1/messages`` (Anthropic): the top-level ``system`` (a string or text blocks) as a first
+  message, then the messages as chat; ``tool_use`` blocks as their name and input, ``tool_result``
+  blocks as their content.
 
 Honest sizes:
 - The routing text stops at ``max_text_chars`` (what the hasher will read: ``max_blocks ×
@@ -273,7 +276,7 @@ def routing_text_into(text: Text, doc: dict[str, Any], path: str) -> tuple[tuple
     """Build the routing text into ``text``. Returns the ids rendered (cut with the text) and
     the number of ids sent, when the client sent ids."""
     if "messages" in doc:
-        _chat_text(text, doc)
+        _chat_text(text, doc, path.split("?", 1)[0].rstrip("/").endswith("/v1/messages"))
         return None, 0
     if "prompt" in doc:
         return _prompt_text(text, doc["prompt"])
@@ -326,9 +329,15 @@ def _content_text(text: Text, content: Any) -> None:
                 text.add(value)
             elif kind is not None and isinstance(ptype, str):
                 text.media(kind, part, ptype)
+            elif ptype == "tool_use":  # Anthropic
+                text.add(
+                    f"{part.get('name', '')}{orjson.dumps(part.get('input'), option=orjson.OPT_SORT_KEYS).decode()}"
+                )
+            elif ptype == "tool_result":
+                _content_text(text, part.get("content"))
 
 
-def _chat_text(text: Text, doc: dict[str, Any]) -> None:
+def _chat_text(text: Text, doc: dict[str, Any], anthropic: bool = False) -> None:
     messages = doc["messages"]
     if not isinstance(messages, list):
         raise BadRequest("'messages' must be a list")
@@ -337,6 +346,13 @@ def _chat_text(text: Text, doc: dict[str, Any]) -> None:
     if tools:
         text.add(orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode())
         first = False
+    system = doc.get("system") if anthropic else None
+    if system:
+        if not first:
+            text.add(SEP)
+        first = False
+        text.add("system\n")
+        _content_text(text, system)
     for msg in messages:
         if not isinstance(msg, dict):
             raise BadRequest("each message must be an object")

@@ -132,6 +132,7 @@ class PickerServer:
             provider.attach_objectives(self.router.objectives)
         self.parser = BodyParser(cfg.parse_offload_bytes)
         self.tokenization = Tokenization.from_config(self.router, cfg.prefix)
+        self.telemetry.tokenizer = self.tokenization.local
         self.director = Director(self.router, self.tokenization, self.telemetry, self.parser)
         self.flow: FlowGate | None = None
         """The ext_proc hold (flow control), when ``flow_control.enabled``."""

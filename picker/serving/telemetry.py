@@ -70,6 +70,13 @@ class FlowCounts(Protocol):
     def saturation(self) -> float: ...
 
 
+class TokenizeCounts(Protocol):
+    """What the telemetry mirrors of the local tokenizer (:class:`picker.core.tokenize.PromptTokenizer`)."""
+
+    @property
+    def approximate(self) -> dict[str, int]: ...
+
+
 class Telemetry:
     def __init__(
         self,
@@ -237,6 +244,18 @@ class Telemetry:
         self.flow: FlowCounts | None = None
         """The flow control whose queue :meth:`refresh` mirrors (None: off). Writer: the gate."""
         self._flow_seen: dict[tuple[int, str], int] = {}
+        self.tokenize_approximate = Counter(
+            "kvpick_tokenize_approximate",
+            "Requests precise mode could not tokenize as vLLM will (matched approximately), by reason: "
+            "previous_response, media, tool_use_id, thinking, unsupported, template (docs/precise.md)",
+            ["reason"],
+            registry=r,
+        )
+        """Label values bounded by ``picker.core.tokenize.apis.REASONS``."""
+        self.tokenizer: TokenizeCounts | None = None
+        """The local tokenizer whose fallbacks :meth:`refresh` mirrors (None: none); set by the
+        server once tokenization is built."""
+        self._tokenize_seen: dict[str, int] = {}
         r.register(tally)
         self.inbox = inbox
         """The inbox whose counts :meth:`refresh` mirrors (None: no inbox metrics)."""
@@ -288,6 +307,11 @@ class Telemetry:
             self._mirror_inbox(self.inbox)
         if self.flow is not None:
             self._mirror_flow(self.flow)
+        if self.tokenizer is not None:
+            counts = dict(self.tokenizer.approximate)
+            for reason, n in counts.items():
+                self.tokenize_approximate.labels(reason).inc(n - self._tokenize_seen.get(reason, 0))
+            self._tokenize_seen = counts
         self.ready_pods.labels(self.pool_name).set(ready)
         self.avg_kv.labels(self.pool_name).set(kv / ready if ready else 0.0)
         self.avg_queue.labels(self.pool_name).set(queue / ready if ready else 0.0)

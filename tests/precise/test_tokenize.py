@@ -12,7 +12,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from picker.core.tokenize import load
-from picker.core.tokenize.chat import ChatTemplate, Unrenderable
+from picker.core.tokenize.apis import Unrenderable
+from picker.core.tokenize.chat import ChatTemplate
 from replica.tinymodel import _corpus
 
 pytestmark = pytest.mark.precise
@@ -71,6 +72,8 @@ def hf_reference(tok_dir: pathlib.Path, template: str, doc: dict[str, Any]) -> l
     msgs = json.loads(json.dumps(doc["messages"]))
     openai = "for part in m['content']" in template
     for m in msgs:
+        if m.get("content") is None:  # vLLM: no parts
+            m["content"] = [] if openai else ""
         if isinstance(m.get("content"), list):
             texts = [p["text"] for p in m["content"]]
             m["content"] = [{"type": "text", "text": t} for t in texts] if openai else "\n".join(texts)
@@ -78,8 +81,15 @@ def hf_reference(tok_dir: pathlib.Path, template: str, doc: dict[str, Any]) -> l
             m["content"] = [{"type": "text", "text": m["content"]}]
         for c in m.get("tool_calls") or []:
             c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    tools = [  # vLLM's ChatCompletionToolsParam.model_dump()
+        {
+            "type": "function",
+            "function": {k: t["function"].get(k) for k in ("name", "description", "parameters")},
+        }
+        for t in doc.get("tools") or []
+    ] or None
     text = hf.apply_chat_template(
-        msgs, tools=doc.get("tools"), chat_template=template, add_generation_prompt=True, tokenize=False
+        msgs, tools=tools, chat_template=template, add_generation_prompt=True, tokenize=False
     )
     ids = hf(text, add_special_tokens=False)["input_ids"]
     assert isinstance(ids, list)

@@ -7,7 +7,13 @@ it, and the special tokens the template may use), or from a ``tokenizer.json`` p
 
 As vLLM 0.32 does: ``/v1/completions`` prompts are tokenized with the tokenizer's special tokens
 (``add_special_tokens`` default true: e.g. a BOS from its post-processor); chat prompts are the
-rendered template tokenized without them (the template writes its own).
+rendered template tokenized without them (the template writes its own). ``/v1/messages`` and
+``/v1/responses`` bodies become the chat request vLLM builds from them
+(:mod:`picker.core.tokenize.apis`) and are rendered as chat. A list of prompts gives the first
+one's ids (the picker routes the batch as one request).
+
+A body whose prompt cannot be reproduced gives None and is counted in :attr:`approximate` by
+reason (:data:`picker.core.tokenize.apis.REASONS`).
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
+from picker.core.tokenize import apis
+from picker.core.tokenize.apis import REASONS, Unrenderable
 from picker.core.tokenize.cache import Encoded, PrefixTokenCache
-from picker.core.tokenize.chat import ChatTemplate, Unrenderable
+from picker.core.tokenize.chat import ChatTemplate
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -36,6 +44,12 @@ class PromptTokenizer(Protocol):
         thread's encode: the event loop calls it, and must not wait on a long prompt's."""
         ...
 
+    @property
+    def approximate(self) -> dict[str, int]:
+        """Bodies :meth:`encode` gave None for, by reason (label values bounded by
+        :data:`picker.core.tokenize.apis.REASONS`)."""
+        ...
+
 
 class HFPromptTokenizer:
     def __init__(self, tok: Tokenizer, chat: ChatTemplate | None, cache_entries: int = 64) -> None:
@@ -48,6 +62,12 @@ class HFPromptTokenizer:
         at = _find(both, x)
         self._head, self._tail = (both[:at], both[at + len(x) :]) if at >= 0 else ([], [])
         self.cache = PrefixTokenCache(self._encode_plain, cache_entries) if cache_entries else None
+        self._approximate: dict[str, int] = dict.fromkeys(REASONS, 0)
+        """Written by :meth:`_encode` under the lock; read by the telemetry at scrape time."""
+
+    @property
+    def approximate(self) -> dict[str, int]:
+        return self._approximate
 
     def _encode_plain(self, text: str) -> Encoded:
         # encode_batch releases the GIL (encode does not), so a long encode in a worker thread
@@ -76,20 +96,45 @@ class HFPromptTokenizer:
             self._lock.release()
 
     def _encode(self, doc: dict[str, Any], path: str) -> list[int] | None:
-        if "messages" in doc:
-            if self.chat is None:
-                return None
-            try:
-                text = self.chat.render(doc)
-            except Unrenderable:
-                return None
-            return self.text_ids(text, bool(doc.get("add_special_tokens", False)))
+        try:
+            return self._ids(doc, path)
+        except Unrenderable as exc:
+            self._approximate[exc.reason] += 1
+            return None
+
+    def _ids(self, doc: dict[str, Any], path: str) -> list[int]:
+        """The prompt ids, or :class:`Unrenderable` saying why they cannot be had."""
+        if doc.get("truncate_prompt_tokens") is not None:
+            raise Unrenderable("unsupported", "truncate_prompt_tokens")
+        api = apis.api_of(path)
+        if api == "messages":
+            return self._chat_ids(self._from_anthropic(doc))
+        if api == "responses":
+            return self._chat_ids(apis.from_responses(doc))
+        if api == "chat" or "messages" in doc:
+            return self._chat_ids(doc)
+        if doc.get("prompt_embeds") is not None:
+            raise Unrenderable("unsupported", "prompt_embeds")
         prompt = doc.get("prompt")
         if isinstance(prompt, list) and prompt:
             prompt = prompt[0] if isinstance(prompt[0], str) else None
-        if isinstance(prompt, str):
-            return self.text_ids(prompt, bool(doc.get("add_special_tokens", True)))
-        return None
+        if not isinstance(prompt, str):
+            raise Unrenderable("unsupported", "no text prompt")
+        return self.text_ids(prompt, bool(doc.get("add_special_tokens", True)))
+
+    def _from_anthropic(self, doc: dict[str, Any]) -> dict[str, Any]:
+        if self.chat is None:
+            raise Unrenderable("template", "no chat template")
+        thinking = doc.get("thinking")
+        if self.chat.reads_reasoning and isinstance(thinking, dict) and thinking.get("type") == "disabled":
+            raise Unrenderable("thinking", "thinking disabled: vLLM probes the template for the effort")
+        return apis.from_anthropic(doc, self.chat.merges_inline_system)
+
+    def _chat_ids(self, doc: dict[str, Any]) -> list[int]:
+        if self.chat is None:
+            raise Unrenderable("template", "no chat template")
+        text = self.chat.render(doc)
+        return self.text_ids(text, bool(doc.get("add_special_tokens", False)))
 
 
 def _find(seq: list[int], sub: list[int]) -> int:
