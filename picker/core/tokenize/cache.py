@@ -1,17 +1,23 @@
 """Reuse of the tokenization of a repeated text prefix (a system prompt, a document, a history).
 
 ``PrefixTokenCache`` keeps, per first ``KEY_CHARS`` characters, the last text that started that
-way with its token ids and each token's end offset (at most ``entries`` texts, least recently used
-dropped). For a new text it finds the common prefix with the remembered one, keeps the tokens that
-end at least ``backoff`` tokens before the divergence and at a whitespace boundary, and tokenizes
-only the rest from there.
+way with its token ids and each token's end offset (at most ``entries`` texts and ``max_tokens``
+ids in all, least recently used dropped). A text may be a prefix cut at a stable point (what
+progressive tokenization has done of a prompt so far, :mod:`picker.core.tokenize.hf`). For a new
+text it finds the common prefix with the remembered one, keeps the tokens that end at least
+``backoff`` tokens before the divergence and at a whitespace boundary, and tokenizes only the rest
+from there.
 
 Exactness: for tokenizers whose pre-tokenizer splits text into words at whitespace before BPE
 (ByteLevel / GPT-style regex: Llama 3, Qwen, Mistral-Nemo, the test model), no token spans a cut
 made at a whitespace boundary before the divergence, so the result equals tokenizing the whole
 text. The ``backoff`` absorbs the regex's one-character look-ahead. A tokenizer without such a
 pre-tokenizer (SentencePiece without splitting) must run with the cache off
-(``prefix.tokenizer_cache_entries: 0``); ``tests/precise/test_tokenize.py`` checks exactness.
+(``prefix.tokenizer_cache_entries: 0``); ``tests/precise/test_tokenize.py`` checks exactness, and
+``tests/precise/test_progressive.py`` the same cut for progressive tokenization (hypothesis).
+
+Memory: at most ``max_tokens`` ids (each with its end offset: two Python list slots and, for
+values above 256, an int object each; about 72 bytes per id) plus the texts they came from.
 """
 
 from __future__ import annotations
@@ -30,46 +36,70 @@ Encoded = tuple[list[int], list[int]]
 
 
 class PrefixTokenCache:
-    __slots__ = ("_memo", "backoff", "encode", "entries", "hits")
+    __slots__ = ("_memo", "backoff", "encode", "entries", "hits", "max_tokens", "tokens")
 
-    def __init__(self, encode: Callable[[str], Encoded], entries: int = 64, backoff: int = 4) -> None:
-        assert entries >= 1 and backoff >= 1, f"bad cache shape entries={entries} backoff={backoff}"
-        self.encode, self.entries, self.backoff = encode, entries, backoff
+    def __init__(
+        self, encode: Callable[[str], Encoded], entries: int = 64, backoff: int = 4, max_tokens: int = 1 << 20
+    ) -> None:
+        assert entries >= 1 and backoff >= 1 and max_tokens >= 1, (
+            f"bad cache shape {entries} {backoff} {max_tokens}"
+        )
+        self.encode, self.entries, self.backoff, self.max_tokens = encode, entries, backoff, max_tokens
         self._memo: OrderedDict[str, tuple[str, Encoded]] = OrderedDict()
         self.hits = 0
+        self.tokens = 0
+        """Ids held in all (at most ``max_tokens``, one text's ids excepted)."""
 
     def ids(self, text: str) -> list[int]:
         if len(text) < MIN_CHARS:
             return self.encode(text)[0]
-        key = text[:KEY_CHARS]
-        hit = self._memo.get(key)
-        enc = self._extend(hit, text) if hit is not None else None
-        if enc is None:
+        ids, ends, n = self.prefix(text)
+        if n == len(text):
+            enc = (ids, ends)
+        elif n:
+            rest_ids, rest_ends = self.encode(text[n:])
+            enc = (ids + rest_ids, ends + [n + e for e in rest_ends])
+        else:
             enc = self.encode(text)
-        self._memo[key] = (text, enc)
-        self._memo.move_to_end(key)
-        if len(self._memo) > self.entries:
-            self._memo.popitem(last=False)
+        self.store(text, enc)
         return enc[0]
 
-    def _extend(self, hit: tuple[str, Encoded], text: str) -> Encoded | None:
+    def prefix(self, text: str) -> tuple[list[int], list[int], int]:
+        """The remembered tokens of ``text``'s longest known prefix, cut where they are exact:
+        (ids, ends, characters they cover). Not copied: the caller must not mutate them."""
+        hit = self._memo.get(text[:KEY_CHARS])
+        if hit is None:
+            return [], [], 0
         old, (ids, ends) = hit
         if old == text:
             self.hits += 1
-            return ids, ends
+            return ids, ends, len(text)
         n = common_prefix(old, text)
-        k = _cut(ids, ends, text, n, self.backoff)
+        k = cut(ends, text, n, self.backoff)
         if k == 0:
-            return None
-        start = ends[k - 1]
-        rest_ids, rest_ends = self.encode(text[start:])
+            return [], [], 0
         self.hits += 1
-        return ids[:k] + rest_ids, ends[:k] + [start + e for e in rest_ends]
+        return ids[:k], ends[:k], ends[k - 1]
+
+    def store(self, text: str, enc: Encoded) -> None:
+        """Remember ``text`` (a whole text, or a prefix cut at a stable point) and its tokens."""
+        if len(text) < MIN_CHARS:
+            return
+        key = text[:KEY_CHARS]
+        old = self._memo.pop(key, None)
+        if old is not None:
+            self.tokens -= len(old[1][0])
+        self._memo[key] = (text, enc)
+        self.tokens += len(enc[0])
+        while len(self._memo) > 1 and (len(self._memo) > self.entries or self.tokens > self.max_tokens):
+            _, (_, (ids, _)) = self._memo.popitem(last=False)
+            self.tokens -= len(ids)
 
 
-def _cut(ids: list[int], ends: list[int], text: str, shared: int, backoff: int) -> int:
+def cut(ends: list[int], text: str, shared: int, backoff: int) -> int:
     """How many leading tokens to keep: they end ``backoff`` tokens before ``shared`` characters,
-    at a word start for the pre-tokenizer."""
+    at a word start for the pre-tokenizer, and not between two byte tokens of one character (a
+    multi-byte character split into byte tokens gives each the character's end offset)."""
     lo, hi = 0, len(ends)
     while lo < hi:  # the number of tokens that end at or before `shared`
         mid = (lo + hi) // 2
@@ -78,8 +108,8 @@ def _cut(ids: list[int], ends: list[int], text: str, shared: int, backoff: int) 
         else:
             hi = mid
     k = lo - backoff
-    while k > 0 and not _boundary(text, ends[k - 1]):
-        k -= 1
+    while k > 0 and not (_boundary(text, ends[k - 1]) and (k == len(ends) or ends[k] != ends[k - 1])):
+        k -= 1  # not at a word start, or inside one character's bytes (byte tokens share its end)
     return max(k, 0)
 
 

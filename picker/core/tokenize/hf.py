@@ -21,13 +21,14 @@ from __future__ import annotations
 import json
 import pathlib
 import threading
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
 from picker.core.tokenize import apis
 from picker.core.tokenize.apis import REASONS, Unrenderable
-from picker.core.tokenize.cache import Encoded, PrefixTokenCache
+from picker.core.tokenize.cache import Encoded, PrefixTokenCache, cut
 from picker.core.tokenize.chat import ChatTemplate
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -51,8 +52,29 @@ class PromptTokenizer(Protocol):
         ...
 
 
+@dataclass(slots=True)
+class Progress:
+    """A prompt tokenized part of the way (:meth:`HFPromptTokenizer.begin`, :meth:`advance`):
+    ``ids`` are exactly the first ``len(ids)`` ids of the whole text's tokenization (without the
+    tokenizer's special head and tail), covering ``text[:pos]``; ``pos == len(text)`` once done.
+    Replaced, never mutated in place, by :meth:`HFPromptTokenizer.advance` (the cache may share
+    the lists)."""
+
+    text: str
+    special: bool
+    ids: list[int]
+    ends: list[int]
+    pos: int
+
+    @property
+    def done(self) -> bool:
+        return self.pos >= len(self.text)
+
+
 class HFPromptTokenizer:
-    def __init__(self, tok: Tokenizer, chat: ChatTemplate | None, cache_entries: int = 64) -> None:
+    def __init__(
+        self, tok: Tokenizer, chat: ChatTemplate | None, cache_entries: int = 64, cache_tokens: int = 1 << 20
+    ) -> None:
         self.tok, self.chat = tok, chat
         self._lock = threading.Lock()
         """Serialises :meth:`encode` (the prefix cache is not thread-safe); ext_proc calls it
@@ -61,7 +83,11 @@ class HFPromptTokenizer:
         both = tok.encode("x", add_special_tokens=True).ids
         at = _find(both, x)
         self._head, self._tail = (both[:at], both[at + len(x) :]) if at >= 0 else ([], [])
-        self.cache = PrefixTokenCache(self._encode_plain, cache_entries) if cache_entries else None
+        self.cache = (
+            PrefixTokenCache(self._encode_plain, cache_entries, max_tokens=cache_tokens)
+            if cache_entries
+            else None
+        )
         self._approximate: dict[str, int] = dict.fromkeys(REASONS, 0)
         """Written by :meth:`_encode` under the lock; read by the telemetry at scrape time."""
 
@@ -104,15 +130,29 @@ class HFPromptTokenizer:
 
     def _ids(self, doc: dict[str, Any], path: str) -> list[int]:
         """The prompt ids, or :class:`Unrenderable` saying why they cannot be had."""
+        text, special = self._prompt(doc, path)
+        return self.text_ids(text, special)
+
+    def prompt_text(self, doc: dict[str, Any], path: str) -> tuple[str, bool] | None:
+        """The text vLLM tokenizes for this body and whether with the tokenizer's special tokens,
+        or None (counted by reason) when it cannot be reproduced. Thread-safe."""
+        try:
+            return self._prompt(doc, path)
+        except Unrenderable as exc:
+            with self._lock:
+                self._approximate[exc.reason] += 1
+            return None
+
+    def _prompt(self, doc: dict[str, Any], path: str) -> tuple[str, bool]:
         if doc.get("truncate_prompt_tokens") is not None:
             raise Unrenderable("unsupported", "truncate_prompt_tokens")
         api = apis.api_of(path)
         if api == "messages":
-            return self._chat_ids(self._from_anthropic(doc))
+            return self._chat_text(self._from_anthropic(doc))
         if api == "responses":
-            return self._chat_ids(apis.from_responses(doc))
+            return self._chat_text(apis.from_responses(doc))
         if api == "chat" or "messages" in doc:
-            return self._chat_ids(doc)
+            return self._chat_text(doc)
         if doc.get("prompt_embeds") is not None:
             raise Unrenderable("unsupported", "prompt_embeds")
         prompt = doc.get("prompt")
@@ -120,7 +160,48 @@ class HFPromptTokenizer:
             prompt = prompt[0] if isinstance(prompt[0], str) else None
         if not isinstance(prompt, str):
             raise Unrenderable("unsupported", "no text prompt")
-        return self.text_ids(prompt, bool(doc.get("add_special_tokens", True)))
+        return prompt, bool(doc.get("add_special_tokens", True))
+
+    # -- progressive tokenization ----------------------------------------------------------------
+    def begin(self, text: str, special: bool) -> Progress:
+        """``text``'s tokenization as far as the cache already knows it (nothing tokenized)."""
+        with self._lock:
+            ids, ends, n = self.cache.prefix(text) if self.cache is not None else ([], [], 0)
+        return Progress(text, special, ids, ends, n)
+
+    def advance(self, p: Progress, chars: int) -> Progress:
+        """``p`` tokenized about ``chars`` characters further (to the end when fewer are left),
+        cut where the ids are exactly the whole text's (the cache's rule: ``backoff`` tokens
+        before the segment's end, at a word start). Remembered in the cache. Runs in a worker
+        thread (the encode releases the GIL) or inline."""
+        text, start = p.text, p.pos
+        with self._lock:
+            while True:
+                stop = start + chars
+                if stop >= len(text):
+                    seg_ids, seg_ends = self._encode_plain(text[start:])
+                    k, pos = len(seg_ids), len(text)
+                else:
+                    seg = text[start:stop]
+                    seg_ids, seg_ends = self._encode_plain(seg)
+                    backoff = self.cache.backoff if self.cache is not None else 4
+                    k = cut(seg_ends, seg, len(seg), backoff)
+                    pos = start + seg_ends[k - 1] if k else start
+                if k:
+                    break
+                chars *= 2  # a segment with no safe cut (one long word): take more
+            q = Progress(
+                text, p.special, p.ids + seg_ids[:k], p.ends + [start + e for e in seg_ends[:k]], pos
+            )
+            if self.cache is not None:
+                self.cache.store(text if q.done else text[:pos], (q.ids, q.ends))
+        return q
+
+    def ids_of(self, p: Progress) -> list[int]:
+        """The request's ids as far as ``p`` goes: the special head, and the tail once done."""
+        if not (p.special and (self._head or self._tail)):
+            return p.ids
+        return [*self._head, *p.ids, *(self._tail if p.done else ())]
 
     def _from_anthropic(self, doc: dict[str, Any]) -> dict[str, Any]:
         if self.chat is None:
@@ -130,11 +211,10 @@ class HFPromptTokenizer:
             raise Unrenderable("thinking", "thinking disabled: vLLM probes the template for the effort")
         return apis.from_anthropic(doc, self.chat.merges_inline_system)
 
-    def _chat_ids(self, doc: dict[str, Any]) -> list[int]:
+    def _chat_text(self, doc: dict[str, Any]) -> tuple[str, bool]:
         if self.chat is None:
             raise Unrenderable("template", "no chat template")
-        text = self.chat.render(doc)
-        return self.text_ids(text, bool(doc.get("add_special_tokens", False)))
+        return self.chat.render(doc), bool(doc.get("add_special_tokens", False))
 
 
 def _find(seq: list[int], sub: list[int]) -> int:
@@ -165,7 +245,7 @@ def _chat_template(cfg: dict[str, Any], folder: pathlib.Path) -> str | None:
     return t if isinstance(t, str) else None
 
 
-def load(path: str, cache_entries: int = 64) -> HFPromptTokenizer:
+def load(path: str, cache_entries: int = 64, cache_tokens: int = 1 << 20) -> HFPromptTokenizer:
     """A directory with ``tokenizer.json`` (+ ``tokenizer_config.json``), or a ``tokenizer.json``."""
     p = pathlib.Path(path)
     folder = p if p.is_dir() else p.parent
@@ -174,4 +254,4 @@ def load(path: str, cache_entries: int = 64) -> HFPromptTokenizer:
     cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
     source = _chat_template(cfg, folder)
     chat = ChatTemplate(source, _special_tokens(cfg)) if source else None
-    return HFPromptTokenizer(tok, chat, cache_entries)
+    return HFPromptTokenizer(tok, chat, cache_entries, cache_tokens)
