@@ -122,6 +122,18 @@ class PrefixConfig:
     tokenizer_cache_entries: int = 64
     """Texts whose tokenization is kept for reuse by requests sharing their prefix (0: off; off
     for a tokenizer that does not split words at whitespace, see ``picker.core.tokenize.cache``)."""
+    tokenizer_cache_tokens: int = 1 << 20
+    """Bound on the token ids the tokenization cache holds in all (about 72 bytes each with their
+    offsets, so 72 MiB at the default, plus the texts they came from)."""
+    progressive_chars: int = 65536
+    """Prompts whose text is at least this long are tokenized progressively: a first chunk of
+    ``tokenize_chunk_chars``, then chunks twice as long, each only while some endpoint holds every
+    block so far; the rest of the prompt's length is estimated (docs/precise.md)."""
+    tokenize_chunk_chars: int = 16384
+    """The first chunk of a progressive tokenization, in characters."""
+    max_prompt_tokens: int = 1 << 20
+    """Bound on one request's token ids: a progressive tokenization stops past it (the rest is
+    estimated), so no request holds more than this plus one chunk's ids."""
     tokenize_inline_bytes: int = 4096
     """Bodies under this many bytes are tokenized on the event loop, larger ones in a thread (0:
     always in a thread). The thread hop costs two wake-ups (the worker's, then the loop's), each
@@ -159,6 +171,18 @@ class PrefixConfig:
             raise ValueError("prefix.precise_miss_penalty must be >= 0")
         if self.tokenize_inline_bytes < 0:
             raise ValueError("prefix.tokenize_inline_bytes must be >= 0")
+        if (
+            min(
+                self.tokenizer_cache_tokens,
+                self.progressive_chars,
+                self.tokenize_chunk_chars,
+                self.max_prompt_tokens,
+            )
+            < 1
+        ):
+            raise ValueError(
+                "prefix.tokenizer_cache_tokens, progressive_chars, tokenize_chunk_chars and max_prompt_tokens must be >= 1"
+            )
         if self.remote_tokenize_timeout_s <= 0:
             raise ValueError("prefix.remote_tokenize_timeout_s must be > 0")
         object.__setattr__(self, "data_parallel_ports", tuple(self.data_parallel_ports))  # YAML gives a list

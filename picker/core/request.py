@@ -120,6 +120,9 @@ class InferenceRequest:
     """Length of the whole routing text before the cut; -1: ``len(routing_text)``."""
     prompt_token_count: int = 0
     """Ids the client sent (all of them), when it sent ids."""
+    prompt_token_estimate: int = 0
+    """The whole prompt's tokens, estimated, when ``prompt_token_ids`` holds only its first ones
+    (a progressive tokenization stopped where no endpoint holds the next block); 0 otherwise."""
     media_tokens: int = 0
     """Configured token cost of the request's media parts."""
 

@@ -174,7 +174,7 @@ class Router:
         beyond = max(0, req.prompt_chars - len(req.routing_text))  # text past the cut, 1 byte/char
         block_tokens = self._block_tokens
         if tokens is not None:
-            prompt_tokens = max(len(tokens), req.prompt_token_count)
+            prompt_tokens = max(len(tokens), req.prompt_token_count, req.prompt_token_estimate)
             bs = self.cfg.hashing.block_size
             if hashes and len(text) + beyond <= bs * len(hashes):  # every id's text was hashed
                 block_tokens = prompt_tokens / len(hashes)
@@ -204,10 +204,12 @@ class Router:
         if rest:
             seed = seed_for(req.model, req.lora, req.cache_salt)
             hashes = self._hash_memo.hashes(req.routing_text.encode(), seed)
-            block_tokens = len(tokens) / len(hashes) if hashes else self._block_tokens
+            whole = max(len(tokens), req.prompt_token_estimate)
+            block_tokens = whole / len(hashes) if hashes else self._block_tokens
             for k, m in self.index.match_many(rest, hashes).items():
                 matches[k] = int(m * block_tokens / bs)
-        cyc = Cycle(req, len(tokens), float(bs), len(keys), matches, now, priority)
+        prompt = max(len(tokens), req.prompt_token_estimate)  # ids cut short: the rest estimated
+        cyc = Cycle(req, prompt, float(bs), len(keys), matches, now, priority)
         return cyc, hashes, keys
 
     def route(

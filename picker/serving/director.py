@@ -122,6 +122,8 @@ class Director:
         decision = self.router.route(req, subset=subset)
         ticket = self.router.start(decision)
         chosen = [e.key for e in decision.chosen]
+        if req.prompt_token_estimate:  # tokenized only in part: remembered for its siblings
+            self.tokenization.picked(req.request_id, chosen[0])
         cyc = decision.cycle
         label = "prefix_hit" if cyc.matches.get(chosen[0], 0) else "prefix_miss"
         prefill = decision.prefill

@@ -82,10 +82,16 @@ class PrefixTokenCache:
         return ids[:k], ends[:k], ends[k - 1]
 
     def store(self, text: str, enc: Encoded) -> None:
-        """Remember ``text`` (a whole text, or a prefix cut at a stable point) and its tokens."""
+        """Remember ``text`` (a whole text, or a prefix cut at a stable point) and its tokens, in
+        place of the last text with the same first ``KEY_CHARS`` characters unless that one
+        extends it."""
         if len(text) < MIN_CHARS:
             return
         key = text[:KEY_CHARS]
+        old = self._memo.get(key)
+        if old is not None and len(old[0]) >= len(text) and old[0].startswith(text):
+            self._memo.move_to_end(key)  # it knows all of this text already (a sibling's longer one)
+            return
         old = self._memo.pop(key, None)
         if old is not None:
             self.tokens -= len(old[1][0])

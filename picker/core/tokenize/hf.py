@@ -34,24 +34,6 @@ from picker.core.tokenize.chat import ChatTemplate
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
-class PromptTokenizer(Protocol):
-    def encode(self, doc: dict[str, Any], path: str) -> list[int] | None:
-        """The prompt token ids vLLM will compute for this body, or None when they cannot be
-        reproduced here (media, an unrenderable template, no prompt)."""
-        ...
-
-    def try_encode(self, doc: dict[str, Any], path: str) -> tuple[bool, list[int] | None]:
-        """``(True, encode(...))`` at once, or ``(False, None)`` when that would wait for another
-        thread's encode: the event loop calls it, and must not wait on a long prompt's."""
-        ...
-
-    @property
-    def approximate(self) -> dict[str, int]:
-        """Bodies :meth:`encode` gave None for, by reason (label values bounded by
-        :data:`picker.core.tokenize.apis.REASONS`)."""
-        ...
-
-
 @dataclass(slots=True)
 class Progress:
     """A prompt tokenized part of the way (:meth:`HFPromptTokenizer.begin`, :meth:`advance`):
@@ -69,6 +51,40 @@ class Progress:
     @property
     def done(self) -> bool:
         return self.pos >= len(self.text)
+
+
+class PromptTokenizer(Protocol):
+    def encode(self, doc: dict[str, Any], path: str) -> list[int] | None:
+        """The prompt token ids vLLM will compute for this body, or None when they cannot be
+        reproduced here (media, an unrenderable template, no prompt)."""
+        ...
+
+    def try_encode(self, doc: dict[str, Any], path: str) -> tuple[bool, list[int] | None]:
+        """``(True, encode(...))`` at once, or ``(False, None)`` when that would wait for another
+        thread's encode: the event loop calls it, and must not wait on a long prompt's."""
+        ...
+
+    @property
+    def approximate(self) -> dict[str, int]:
+        """Bodies :meth:`encode` gave None for, by reason (label values bounded by
+        :data:`picker.core.tokenize.apis.REASONS`)."""
+        ...
+
+    def prompt_text(self, doc: dict[str, Any], path: str) -> tuple[str, bool] | None:
+        """The text vLLM tokenizes, with or without the special tokens; None: cannot be had."""
+        ...
+
+    def begin(self, text: str, special: bool) -> Progress:
+        """A progressive tokenization of ``text``, as far as the cache knows it."""
+        ...
+
+    def advance(self, p: Progress, chars: int) -> Progress:
+        """``p`` about ``chars`` characters further, its ids still exact."""
+        ...
+
+    def ids_of(self, p: Progress, tail: bool = True) -> list[int]:
+        """The request's ids as far as ``p`` goes (``tail``: the special tail once done)."""
+        ...
 
 
 class HFPromptTokenizer:
@@ -197,11 +213,12 @@ class HFPromptTokenizer:
                 self.cache.store(text if q.done else text[:pos], (q.ids, q.ends))
         return q
 
-    def ids_of(self, p: Progress) -> list[int]:
-        """The request's ids as far as ``p`` goes: the special head, and the tail once done."""
+    def ids_of(self, p: Progress, tail: bool = True) -> list[int]:
+        """The request's ids as far as ``p`` goes: the special head, and (``tail``) the tail once
+        done."""
         if not (p.special and (self._head or self._tail)):
             return p.ids
-        return [*self._head, *p.ids, *(self._tail if p.done else ())]
+        return [*self._head, *p.ids, *(self._tail if p.done and tail else ())]
 
     def _from_anthropic(self, doc: dict[str, Any]) -> dict[str, Any]:
         if self.chat is None:
