@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import pathlib
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
@@ -107,7 +108,7 @@ async def subscriber(port: int, replay: int) -> AsyncIterator[Subscriber]:
         ctx.term()
 
 
-async def quiet(sub: Subscriber, quiet_s: float = 0.1) -> None:
+async def quiet(sub: Subscriber, quiet_s: float = 0.05) -> None:
     """Wait until no KV-event batch arrives for ``quiet_s``."""
     last = sub.sync.expected
     while True:
@@ -150,6 +151,7 @@ async def test_parity_on_every_api(tmp_path: pathlib.Path, tiny_model_dir: pathl
     rows: dict[str, list[tuple[Case, int, int, int, bool]]] = defaultdict(list)
     fallbacks: dict[str, int] = defaultdict(int)
     mismatches: list[str] = []
+    t0 = time.monotonic()
     try:
         with vllm_server(
             procs,
@@ -170,6 +172,7 @@ async def test_parity_on_every_api(tmp_path: pathlib.Path, tiny_model_dir: pathl
             "--lora-modules",
             f"{LORA}={adapter}",
         ) as url:
+            t_up = time.monotonic()
             async with subscriber(ev, replay) as sub:
                 await asyncio.sleep(0.5)
                 for case in cases:
@@ -214,6 +217,7 @@ async def test_parity_on_every_api(tmp_path: pathlib.Path, tiny_model_dir: pathl
                     rows[case.api].append((case, len(ids), predicted, cached, equal))
                     await quiet(sub)
                 assert sub.sync.state is State.SYNCED and sub.sync.bad == 0, sub.sync
+            t_done = time.monotonic()
     finally:
         procs.stop()
     total = close_all = 0
@@ -232,6 +236,7 @@ async def test_parity_on_every_api(tmp_path: pathlib.Path, tiny_model_dir: pathl
     lines.append("shapes: " + ", ".join(f"{a}/{s}" for a, s in shapes))
     lines.append("fallbacks: " + ", ".join(f"{k}={n}" for k, n in sorted(fallbacks.items())))
     lines.append(f"LoRA bodies: {sum(c.body.get('model') == LORA for rs in rows.values() for c, *_ in rs)}")
+    lines.append(f"vLLM up in {t_up - t0:.0f} s, the corpus in {t_done - t_up:.0f} s")
     report = "\n".join(lines)
     print(report)
     assert not mismatches, "\n".join(mismatches[:5])
