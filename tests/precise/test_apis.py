@@ -135,7 +135,9 @@ def test_chat_renders_with_vllms_shapes_and_kwargs() -> None:
     assert text.startswith(
         '<s>tools:\n{"type": "function", "function": {"name": "f", "description": null, "parameters": null}}'
     )
-    assert text.endswith("<s>persona: p\n<s>user:<s>assistant:x<call 1>f({})</call><s>assistant:"), (
+    assert text.endswith(
+        "<s>persona: p\n<s>user: </s>\n<s>assistant: x<call 1>f({})</call></s>\n<s>assistant: "
+    ), (
         "null content renders as no parts (not 'None'), malformed arguments as {} (vLLM coerces them), "
         "the request's add_generation_prompt wins over chat_template_kwargs"
     )
@@ -144,7 +146,7 @@ def test_chat_renders_with_vllms_shapes_and_kwargs() -> None:
         "continue_final_message": True,
         "add_generation_prompt": False,
     }
-    assert t.render(cont).endswith("<s>assistant:so far"), "cut after the continued text"
+    assert t.render(cont) == "<s>user: q</s>\n<s>assistant: so far", "cut after the continued text"
     assert chat_tools(None) is None
 
 

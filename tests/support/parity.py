@@ -17,20 +17,20 @@ from dataclasses import dataclass
 from typing import Any
 
 TOOLS_TEMPLATE = (
-    "{%- if tools %}<s>tools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
-    "{%- if persona is defined and persona %}<s>persona: {{ persona }}\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m['role'] == 'tool' %}<s>tool {{ m['tool_call_id'] }}: {{ m['content'] }}\n"
-    "{%- else %}<s>{{ m['role'] }}: "
-    "{%- if m['reasoning_content'] is defined and m['reasoning_content'] %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
+    "{% if tools %}<s>tools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
+    "{% if persona is defined and persona %}<s>persona: {{ persona }}\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<s>tool {{ m['tool_call_id'] }}: {{ m['content'] }}</s>\n"
+    "{% else %}<s>{{ m['role'] }}: "
+    "{% if m['reasoning_content'] is defined and m['reasoning_content'] %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
     "{{ m['content'] }}"
-    "{%- if m['tool_calls'] is defined %}{% for c in m['tool_calls'] %}"
+    "{% if m['tool_calls'] is defined %}{% for c in m['tool_calls'] %}"
     "<call {{ c['id'] }}>{{ c['function']['name'] }}({{ c['function']['arguments'] | tojson }})</call>"
-    "{% endfor %}{% endif %}\n"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<s>assistant: "
-    "{%- if enable_thinking is defined and enable_thinking %}<think>{% endif %}{% endif %}"
+    "{% endfor %}{% endif %}</s>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: "
+    "{% if enable_thinking is defined and enable_thinking %}<think>{% endif %}{% endif %}"
 )
 """A string-format template (vLLM joins text parts) that renders tools as JSON, tool calls with
 their ids and arguments, tool results, reasoning, a ``persona`` kwarg and ``enable_thinking``."""
@@ -120,7 +120,9 @@ def _chat(rng: random.Random, i: int, state: dict[str, Any]) -> Case:
     shape = "multi-turn"
     msgs.append({"role": "user", "content": f"Turn {i}: {_sentence(rng, rng.randrange(4, 14))}"})
     if g % 2 == 0:
-        body["tools"] = [{"type": "function", "function": _tool(f"lookup_{g}", random.Random(g), described=g == 0)}]
+        body["tools"] = [
+            {"type": "function", "function": _tool(f"lookup_{g}", random.Random(g), described=g == 0)}
+        ]
         shape = "tools"
     r = rng.random()
     if r < 0.1:
