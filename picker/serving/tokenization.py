@@ -39,6 +39,7 @@ State: the open progressive tokenizations awaiting their pick (at most ``OPEN``)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections import OrderedDict, deque
@@ -53,7 +54,7 @@ from picker.core.request import InferenceRequest
 from picker.core.router import Router
 from picker.core.tokenize import PromptTokenizer
 from picker.core.tokenize import load as load_tokenizer
-from picker.core.tokenize.cache import cut
+from picker.core.tokenize.cache import KEY_CHARS, cut
 from picker.core.tokenize.hf import Progress
 from picker.feeds.remote_tokenizer import RemoteTokenizer
 
@@ -95,6 +96,8 @@ class Tokenization:
         self.max_prompt_tokens = cfg.max_prompt_tokens
         self._open: OrderedDict[str, _Partial] = OrderedDict()
         self._partials: deque[_Partial] = deque(maxlen=PARTIALS)
+        self._busy: dict[str, asyncio.Future[Progress]] = {}
+        """Text start → the chunk being tokenized for it (at most one per concurrent request)."""
         self.clock = time.monotonic
 
     @classmethod
@@ -165,17 +168,21 @@ class Tokenization:
         """Tokenize as far as some endpoint holds the blocks (see the module doc)."""
         local, precise = self.local, self.router.precise
         assert local is not None and precise is not None, "progressive tokenization needs both"
-        rendered = await asyncio.to_thread(local.prompt_text, doc, path)
-        if rendered is None:
+
+        def start() -> Progress | None:  # one thread hop: render, then what the cache knows
+            rendered = local.prompt_text(doc, path)
+            return None if rendered is None else local.begin(*rendered)
+
+        first = await asyncio.to_thread(start)
+        if first is None:
             return req
-        text, special = rendered
+        p, text = self._bounded(first), first.text
         bs = self.router.precise_block_size()
-        p = self._bounded(await asyncio.to_thread(local.begin, text, special))
         chunk = self.chunk_chars
         while not p.done and len(p.ids) < self.max_prompt_tokens:
             ids = local.ids_of(p)
             n = len(ids) // bs
-            if n:
+            if n and len(text) - p.pos > chunk:  # a last chunk is tokenized without a look-up
                 keys = request_keys(ids, bs, req.lora, req.cache_salt)
                 best = max(precise.match_many(eligible, keys, self.router.clock()).values(), default=0)
                 if best < n:  # no endpoint holds the next block
@@ -184,7 +191,7 @@ class Tokenization:
                         break
                     p = self._bounded(q)
                     continue
-            p = await asyncio.to_thread(local.advance, p, chunk)
+            p = await self._advance(p, chunk)
             chunk *= 2
         ids = local.ids_of(p)
         if p.done:
@@ -231,6 +238,28 @@ class Tokenization:
             )
             return q
         return None
+
+    async def _advance(self, p: Progress, chunk: int) -> Progress:
+        """``p`` a chunk further; when a concurrent request is tokenizing a text that starts the
+        same, first wait for it and take what it did from the cache (a burst of siblings
+        tokenizes their shared text once)."""
+        local = self.local
+        assert local is not None, "progressive tokenization needs a local tokenizer"
+        key = p.text[:KEY_CHARS]
+        busy = self._busy.get(key)
+        if busy is not None and not busy.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(busy)
+            q = await asyncio.to_thread(local.begin, p.text, p.special)
+            if q.pos > p.pos:
+                return self._bounded(q)
+        fut = asyncio.ensure_future(asyncio.to_thread(local.advance, p, chunk))
+        self._busy[key] = fut
+        try:
+            return await asyncio.shield(fut)
+        finally:
+            if self._busy.get(key) is fut:
+                del self._busy[key]
 
     def _bounded(self, p: Progress) -> Progress:
         """``p`` cut to ``max_prompt_tokens`` ids (still exact; never advanced further)."""
