@@ -118,6 +118,16 @@ async def quiet(sub: Subscriber, quiet_s: float = 0.05) -> None:
         last = sub.sync.expected
 
 
+async def stored(sub: Subscriber, keys: list[int], timeout_s: float = 5.0) -> None:
+    """Wait until the index holds every full block of the prompt just served (vLLM stores them
+    all: its KV cache is far larger than the corpus), then for the events to go quiet."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while keys and sub.index.match_many([KEY], keys, 0.0)[KEY] < len(keys) and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    await quiet(sub)
+
+
 def usage_of(api: str, out: dict[str, Any]) -> tuple[int, int]:
     """(prompt tokens, cached tokens) from each API's usage."""
     u = out["usage"]
@@ -215,7 +225,7 @@ async def test_parity_on_every_api(tmp_path: pathlib.Path, tiny_model_dir: pathl
                     else:
                         cached = predicted  # a batch reports its prompts' sum: not compared
                     rows[case.api].append((case, len(ids), predicted, cached, equal))
-                    await quiet(sub)
+                    await stored(sub, keys)
                 assert sub.sync.state is State.SYNCED and sub.sync.bad == 0, sub.sync
             t_done = time.monotonic()
     finally:
@@ -241,7 +251,13 @@ async def test_parity_on_every_api(tmp_path: pathlib.Path, tiny_model_dir: pathl
     print(report)
     assert not mismatches, "\n".join(mismatches[:5])
     assert total + sum(fallbacks.values()) >= 200
-    assert close_all >= 0.99 * total, report
+    off = [
+        f"{c.api} {c.shape}: predicted {p} vLLM {cached}"
+        for rs in rows.values()
+        for c, _, p, cached, _ in rs
+        if abs(p - cached) > BS
+    ]
+    assert close_all >= 0.99 * total, (report, off)
     assert all(sum(c > 0 for _, _, _, c, _ in rows[a]) > 0 for a in rows), (
         f"every API hits the cache: {report}"
     )
