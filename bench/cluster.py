@@ -110,6 +110,8 @@ class Replica:
 
 
 SHARE = frozenset({"inflight", "picks"})
+HOT_USES = 4
+"""A trace block (512-token hash id) sent in this many requests or more is a hot prefix."""
 
 
 @dataclass
@@ -148,6 +150,14 @@ class Result:
     """Requests flow control answered 429 or 503 instead of serving."""
     queue_wait_p90: float = 0.0
     """Seconds in the flow-control queue, p90 over the requests it dispatched."""
+    computed_tokens_per_s: float = 0.0
+    """Uncached prompt tokens the engines prefilled, per simulated second: the compute burned."""
+    hot_prefixes: int = 0
+    """Trace blocks (512-token hash ids) in at least :data:`HOT_USES` requests."""
+    holders_p50: float = 0.0
+    """Median, over the hot prefixes, of the replicas their requests were sent to (each such
+    replica computed or cached the prefix: a copy)."""
+    holders_p99: float = 0.0
 
 
 class Cluster:
@@ -230,6 +240,9 @@ class Cluster:
                 )
                 fc.queue.keep_waits = True
                 self.flows[id(r)] = fc
+        self.holders: dict[int, set[str]] = {}
+        """Trace block (hash id) → the replicas its requests went to."""
+        self.uses: dict[int, int] = {}
 
     def _push(self, t: float, kind: str, payload: object) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
@@ -375,6 +388,9 @@ class Cluster:
         ticket = router.start(decision)
         req = Request(toks, row.output_length, rep.core.pool.block_size, arrival=self.now)
         self.sent.append((len(toks), req.hashes.copy()))
+        for h in row.hash_ids:
+            self.holders.setdefault(h, set()).add(rep.key)
+            self.uses[h] = self.uses.get(h, 0) + 1
         if decision.prefill is not None:  # the sidecar's prefill leg: one token on the prefill engine
             self.disaggregated += 1
             pre = self.replicas[decision.prefill.key]
@@ -499,6 +515,13 @@ class Cluster:
         """All replicas' KV blocks together: the single LRU cache a router can at best emulate."""
         return sum(r.core.pool.num_blocks for r in self.replicas.values())
 
+    def computed_tokens(self) -> float:
+        return sum(r.core.stats.prefill_kv_computed.total for r in self.replicas.values())
+
+    def holder_counts(self) -> list[int]:
+        """Replicas per hot prefix (:data:`HOT_USES`), sorted."""
+        return sorted(len(self.holders[h]) for h, n in self.uses.items() if n >= HOT_USES)
+
     def hit_rate(self) -> float:
         q = sum(r.core.sched.queries for r in self.replicas.values())
         return sum(r.core.sched.hits for r in self.replicas.values()) / q if q else 0.0
@@ -568,6 +591,7 @@ def simulate(
     waits = sorted(w for fc in c.flows.values() for ws in fc.queue.waits.values() for w in ws)
     q = statistics.quantiles(c.ttfts, n=100) if len(c.ttfts) >= 2 else [0.0] * 99
     qi = statistics.quantiles(c.itls, n=100) if len(c.itls) >= 2 else [0.0] * 99
+    held = c.holder_counts()
     return Result(
         policy,
         prefix_mode,
@@ -597,6 +621,10 @@ def simulate(
         bool(c.flows),
         sum(1 for r in c.records if r.outcome not in ("served", "error", "")),
         waits[int(0.9 * (len(waits) - 1))] if waits else 0.0,
+        c.computed_tokens() / c.now if c.now else 0.0,
+        len(held),
+        float(held[len(held) // 2]) if held else 0.0,
+        float(held[min(len(held) - 1, int(0.99 * len(held)))]) if held else 0.0,
     )
 
 
@@ -752,13 +780,14 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(
         f"{'policy':<14}{'FC':<4}{'prefix':<12}{'share':<16}{'agree':>6}{'hit rate':>9}{'ideal':>7}{'LRU':>7}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
-        f"{'req/s':>8}{'prompt tok/s':>13}{'errors':>7}{'shed':>6}{'wait p90':>9}{'wall s':>8}"
+        f"{'req/s':>8}{'prompt tok/s':>13}{'computed/s':>11}{'holders p50':>12}{'p99':>5}{'errors':>7}{'shed':>6}{'wait p90':>9}{'wall s':>8}"
     )
     for r in results:
         print(
             f"{r.policy:<14}{'on' if r.flow_control else 'off':<4}{r.prefix_mode:<12}{r.share or '-':<16}{r.agreement:>6.3f}{r.hit_rate:>9.3f}{r.ideal_hit_rate:>7.3f}{r.lru_hit_rate:>7.3f}"
             f"{r.ttft_p50:>10.3f}{r.ttft_p90:>9.3f}{r.ttft_p99:>9.3f}{r.throughput_rps:>8.2f}"
-            f"{r.prompt_tokens_per_s:>13.0f}{r.errors:>7}{r.shed:>6}{r.queue_wait_p90:>9.3f}{r.wall_seconds:>8.1f}"
+            f"{r.prompt_tokens_per_s:>13.0f}{r.computed_tokens_per_s:>11.0f}{r.holders_p50:>12.0f}{r.holders_p99:>5.0f}"
+            f"{r.errors:>7}{r.shed:>6}{r.queue_wait_p90:>9.3f}{r.wall_seconds:>8.1f}"
         )
     if results:
         r = results[0]

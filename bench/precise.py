@@ -87,10 +87,12 @@ def _fill(
             index.stored(key, [next(eh) for _ in range(depth // BS)], None, prompt[:depth], BS, None)
 
 
-def hot_path(tokens: int, iters: int, fill_blocks: int, seed: int = 0) -> tuple[list[Timing], int]:
+def hot_path(
+    tokens: int, iters: int, fill_blocks: int, seed: int = 0, endpoints: int = ENDPOINTS
+) -> tuple[list[Timing], int]:
     rng = random.Random(seed)
     prompt = [rng.randrange(2048) for _ in range(tokens)]
-    router = _router(ENDPOINTS, fill_blocks + tokens // BS + 1)
+    router = _router(endpoints, fill_blocks + tokens // BS + 1)
     assert router.precise is not None
     keys = [s.key for s in router.pool]
     gc.collect()
@@ -110,9 +112,9 @@ def hot_path(tokens: int, iters: int, fill_blocks: int, seed: int = 0) -> tuple[
         router.finish(router.start(d))
 
     out = [
-        timed("request keys", tokens, ENDPOINTS, lambda: request_keys(prompt, BS), iters),
-        timed("index lookup", tokens, ENDPOINTS, lambda: idx.match_many(keys, rkeys, 0.0), iters),
-        timed("whole decision", tokens, ENDPOINTS, decide, iters),
+        timed("request keys", tokens, endpoints, lambda: request_keys(prompt, BS), iters),
+        timed("index lookup", tokens, endpoints, lambda: idx.match_many(keys, rkeys, 0.0), iters),
+        timed("whole decision", tokens, endpoints, decide, iters),
     ]
     return out, index_bytes
 
@@ -208,15 +210,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--fill-blocks", type=int, default=2000, help="other blocks held by every endpoint")
     p.add_argument("--tokens", default="32768,245760", help="prompt sizes in tokens, comma-separated")
+    p.add_argument(
+        "--endpoints", default=str(ENDPOINTS), help="endpoint counts, comma-separated (memory: the first)"
+    )
+    p.add_argument("--no-tokenize", action="store_true", help="skip part 2 (tokenization)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     rows: list[Timing] = []
     memory: dict[int, int] = {}
+    counts = [int(x) for x in a.endpoints.split(",")]
     for n in map(int, a.tokens.split(",")):
-        timings, mem = hot_path(n, a.iters, a.fill_blocks)
-        rows += timings
-        memory[n] = mem
-    rows += tokenization(a.iters)
+        for i, count in enumerate(counts):
+            timings, mem = hot_path(n, a.iters, a.fill_blocks, endpoints=count)
+            rows += timings
+            if i == 0:
+                memory[n] = mem
+    if not a.no_tokenize:
+        rows += tokenization(a.iters)
     print("| step | prompt tokens | endpoints | p50 ms | p10-p90 ms |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
@@ -224,11 +234,10 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r.what} | {r.tokens:,} | {r.endpoints or '-'} | {r.p50_ms:.3f} | {r.p10_ms:.3f}-{r.p90_ms:.3f} |"
         )
     for n, mem in memory.items():
-        blocks = ENDPOINTS * a.fill_blocks + sum(
-            n * 3 // 4 // BS * (i + 1) // ENDPOINTS for i in range(ENDPOINTS)
-        )
+        e = counts[0]
+        blocks = e * a.fill_blocks + sum(n * 3 // 4 // BS * (i + 1) // e for i in range(e))
         print(
-            f"index memory, {n:,}-token prompts over {ENDPOINTS} endpoints: {mem / 2**20:.1f} MiB "
+            f"index memory, {n:,}-token prompts over {e} endpoints: {mem / 2**20:.1f} MiB "
             f"for {blocks:,} (block, endpoint) entries ({mem / blocks:.0f} B each)"
         )
     if a.json:
