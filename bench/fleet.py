@@ -1,11 +1,17 @@
 """The simulated replicas a benchmark runs against: started once, caches reset between routers.
 
+Each replica publishes its KV events as vLLM does with ``--kv-events-config`` (ZMQ PUB), as the
+chart's replicas do: replica ``r`` on ``events_port + r`` (``--data-parallel-rank r``, since they
+share one host), so our picker can run its shipped ``prefix.mode: auto`` (``bench.routers``).
+A cache reset publishes ``AllBlocksCleared``.
+
 Process handling is :mod:`kvlaunch`'s (``Procs``, ``wait_port``): each child runs in its
 own process group, logs to ``run_dir/NAME.log``, and is stopped with its group.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +44,8 @@ class Fleet:
     cfg: FleetConfig
     children: Procs
     ports: list[int] = field(default_factory=list)
+    events_port: int = 0
+    """Replica ``r`` publishes its KV events on ``events_port + r`` (0: before :meth:`start`)."""
 
     @property
     def urls(self) -> list[str]:
@@ -50,8 +58,10 @@ class Fleet:
     def start(self) -> None:
         c = self.cfg
         self.ports = [free_port() for _ in range(c.replicas)]
+        self.events_port = free_port_block(c.replicas)
         for i, port in enumerate(self.ports):
             args = ["--port", str(port), "--model", c.model, "--profile", c.profile]
+            args += ["--kv-events-port", str(self.events_port), "--data-parallel-rank", str(i)]
             args += ["--time-scale", str(c.time_scale), *c.extra_args]
             self.children.start(f"replica-{i}", [PY, "-m", "replica.sim", *args])
         for port in self.ports:
@@ -93,3 +103,21 @@ class Fleet:
         sizes = {m.block_size for m in shapes}
         assert len(sizes) == 1 and None not in sizes, f"replicas disagree on block size: {sizes}"
         return int(shapes[0].block_size or 0), sum(m.num_gpu_blocks or 0 for m in shapes)
+
+
+def free_port_block(n: int, tries: int = 200) -> int:
+    """A port ``p`` with ``p .. p + n - 1`` all free now (:func:`kvlaunch.free_port` promises two)."""
+    for _ in range(tries):
+        base = free_port()
+        if all(_bindable(base + i) for i in range(2, n)):
+            return base
+    raise RuntimeError(f"no block of {n} free ports in {tries} tries")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -1,7 +1,13 @@
 """Routers under test, each started in front of the same fleet and stopped afterwards.
 
 - ``cost``, ``weighted``, ``round-robin``, ``least-loaded``: our picker (``python -m picker``,
-  TLS ext_proc) behind a real Envoy rendered by ``deploy/envoy/render.py`` (pool upstream).
+  TLS ext_proc) behind a real Envoy rendered by ``deploy/envoy/render.py`` (pool upstream), run
+  as the chart ships it: ``prefix.mode: auto`` on the replicas' KV events (``bench.fleet``), the
+  prompts tokenized by the replicas' own ``/tokenize`` (precise matching, as with the chart's
+  tokenizer).
+- ``cost-approximate`` (any picker policy + ``-approximate``): the same picker with
+  ``--prefix-mode approximate`` (its own record of its picks, no events): a deployment without
+  KV events, reported as its own row.
 - ``vllm-router``: ``vllm-router --policy cache_aware`` (the vLLM project's router).
 - ``sglang-router``: ``sglang-router launch --policy cache_aware`` in its default HTTP mode, which
   proxies ``/v1/completions`` to any OpenAI-compatible worker (its ``--backend openai`` mode
@@ -25,8 +31,10 @@ from kvlaunch import PY, Procs, Stack, free_port, http, wait_port
 if TYPE_CHECKING:  # not at run time: bench.device's peers-only kit has no picker dependencies
     from .fleet import Fleet
 
-PICKER_POLICIES = ("cost", "weighted", "round-robin", "least-loaded")
+PICKER_POLICIES = ("cost", "cost-approximate", "weighted", "round-robin", "least-loaded")
 PEERS = ("vllm-router", "sglang-router")
+APPROXIMATE = "-approximate"
+"""A router name ending so runs the picker policy before it in approximate prefix mode."""
 ROUTERS = (*PICKER_POLICIES, *PEERS)
 _VENV_BIN = pathlib.Path(PY).parent
 
@@ -51,7 +59,8 @@ def _picker_envoy(
         st = Stack(procs, fleet.ports)
     st.start_picker(
         "--policy",
-        policy,
+        policy.removesuffix(APPROXIMATE),
+        *prefix_args(policy, fleet),
         "--log-level",
         "warning",
         *(["--config-file", config] if config else []),
@@ -61,6 +70,22 @@ def _picker_envoy(
     )
     st.start_envoy("--upstream", "pool", "--endpoints", ",".join(st.addresses), *envoy_args)
     return st
+
+
+def prefix_args(name: str, fleet: Fleet) -> list[str]:
+    """The picker's prefix-mode flags for router ``name``: approximate for ``POLICY-approximate``,
+    else the shipped mode (``auto`` on the fleet's KV events, module docstring)."""
+    if name.endswith(APPROXIMATE) or not fleet.events_port:
+        return ["--prefix-mode", "approximate"]
+    ports = ",".join(map(str, fleet.ports))
+    return [
+        "--prefix-mode",
+        "auto",
+        "--kv-events-port",
+        str(fleet.events_port),
+        "--data-parallel-ports",
+        ports,
+    ]
 
 
 def start_peer(name: str, worker_urls: list[str], procs: Procs) -> tuple[str, subprocess.Popen[bytes]]:

@@ -60,7 +60,7 @@ SUITES = {
         "smoke",
         replicas=2,
         calib_per_replica=4,
-        routers=("cost", "round-robin"),
+        routers=("cost", "cost-approximate", "round-robin"),
         gsp=(4, 4, 256, 32, 8),
         workloads=("generated-shared-prefix",),
         overhead=((40, 20.0, 8),),

@@ -19,7 +19,7 @@ def test_smoke_suite_end_to_end(tmp_path: pathlib.Path) -> None:
     doc = json.loads((out / "results.json").read_text())
     w = doc["workloads"]["generated-shared-prefix"]
     assert w["ideal_hit_rate"] == pytest.approx(3 / 4 * 256 / 288, abs=1e-4)
-    assert set(w["routers"]) == {"cost", "round-robin"}
+    assert set(w["routers"]) == {"cost", "cost-approximate", "round-robin"}
     for name, r in w["routers"].items():
         assert {"hit_rate", "ttft_p50", "ttft_p90", "ttft_p99", "throughput_rps", "errors"} <= set(r), name
         assert r["errors"] == 0 and r["requests"] == 16, f"{name}: {r}"
