@@ -192,21 +192,36 @@ def _ext_proc(
             "message_timeout": message_timeout,
             "max_message_timeout": max_message_timeout,
             "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]}},
-            "processing_mode": _mode(request_mode, response_mode),
+            "processing_mode": _mode(
+                request_mode, response_mode, _filter_response_path(request_mode, response_mode)
+            ),
         },
     }
 
 
-def _mode(request_mode: str, response_mode: str) -> dict[str, str]:
-    """An ext_proc ``processing_mode``: headers and trailers SEND (the picker skips the response
-    path per request with a ``mode_override`` where it has no use for it)."""
+def _filter_response_path(request_mode: str, response_mode: str) -> str:
+    """The filter's own response header and trailer mode: SKIP with BUFFERED request bodies and
+    no response body, else SEND. Envoy runs every local reply through ext_proc's encode path,
+    including one for a request ext_proc never saw (the buffer filter's 408 or 413, the header
+    check's 431): with SEND it opened a picker stream for the response headers alone, which a
+    burst of them could break (CANCELLED, and fail-close turned the 408 into a 500). With SKIP
+    only the picker's ``mode_override`` in its answer to the request headers turns the response
+    path on, for a request it routed and wants the response of (picker/serving/extproc.py).
+    A FULL_DUPLEX_STREAMED request body keeps SEND: the picker sends no override there (Envoy
+    1.40 closed the stream once the body was through when it honoured one)."""
+    return "SKIP" if request_mode == "BUFFERED" and response_mode == "NONE" else "SEND"
+
+
+def _mode(request_mode: str, response_mode: str, response_path: str = "SEND") -> dict[str, str]:
+    """An ext_proc ``processing_mode``: request headers and trailers SEND, response headers and
+    trailers ``response_path`` (:func:`_filter_response_path`)."""
     return {
         "request_header_mode": "SEND",
-        "response_header_mode": "SEND",
+        "response_header_mode": response_path,
         "request_body_mode": request_mode,
         "response_body_mode": response_mode,
         "request_trailer_mode": "SEND",
-        "response_trailer_mode": "SEND",
+        "response_trailer_mode": response_path,
     }
 
 

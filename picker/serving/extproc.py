@@ -18,7 +18,10 @@ Message order per HTTP request (one gRPC stream):
   ``mode_override`` (Envoy's ``allow_mode_override``) that SKIPs response headers and trailers for
   this request. That saves a message each way per request. The ext_proc stream still ends with the
   HTTP stream (Envoy closes it when the filter is destroyed), which ends the accounting; what is
-  lost is the response status in the ``kvpick_requests_total`` decision label. Not with a
+  lost is the response status in the ``kvpick_requests_total`` decision label. Otherwise the
+  override turns the response path on: the rendered configs skip it unless told, so that a local
+  reply of Envoy's to a request ext_proc never saw (a 408 while the buffer filter held the body,
+  a 413, a 431) opens no picker stream (:data:`SEND_RESPONSE`). Neither override with a
   ``FULL_DUPLEX_STREAMED`` request body (the shipped configs' large and chunked bodies, GIE's every
   body): there the headers are answered after the body, and where that mode comes from a route's
   ``ExtProcPerRoute`` override Envoy 1.40 honours the skip and closes the ext_proc stream as soon
@@ -93,17 +96,18 @@ MESSAGE_KINDS = (
 )
 
 
-def _without_response_headers(request_body_mode: int) -> processing_mode_pb2.ProcessingMode:
-    """The processing mode that keeps the request side as the shipped configs set it and sends
-    nothing of the response (headers, body, trailers) to the picker."""
+def _response_path(request_body_mode: int, send: bool) -> processing_mode_pb2.ProcessingMode:
+    """The processing mode that keeps the request side as the shipped configs set it, no response
+    body, and the response headers and trailers sent to the picker (``send``) or not."""
     pm = processing_mode_pb2.ProcessingMode
+    path = pm.SEND if send else pm.SKIP
     return pm(
         request_header_mode=pm.SEND,
-        response_header_mode=pm.SKIP,
+        response_header_mode=path,
         request_body_mode=request_body_mode,
         response_body_mode=pm.NONE,
         request_trailer_mode=pm.SEND,
-        response_trailer_mode=pm.SKIP,
+        response_trailer_mode=path,
     )
 
 
@@ -112,8 +116,14 @@ STATUS_LINGER_S = 2.0
 (:meth:`ExtProcService.Process`)."""
 EMPTY_LAST_CHUNK = pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True))
 """What :meth:`ExtProcService._prepare` passes on once it has buffered a body's last chunk itself."""
-SKIP_RESPONSE = {mode: _without_response_headers(mode) for mode in (FULL_DUPLEX, BUFFERED, STREAMED, NO_BODY)}
-"""Built once: ``mode_override`` per request body mode."""
+SKIP_RESPONSE = {mode: _response_path(mode, False) for mode in (FULL_DUPLEX, BUFFERED, STREAMED, NO_BODY)}
+"""Built once: the ``mode_override`` that skips the response path, per request body mode."""
+SEND_RESPONSE = {mode: _response_path(mode, True) for mode in (BUFFERED, STREAMED, NO_BODY)}
+"""Built once: the ``mode_override`` that turns the response path on, per request body mode. The
+rendered configs SKIP it by default (deploy/envoy/render.py ``_filter_response_path``), so that
+Envoy's local replies to requests ext_proc never saw open no picker stream; the picker turns it
+on for the requests it routes and wants the response of. None with a FULL_DUPLEX_STREAMED body:
+those routes keep the response path on in the config, and the picker sends no override there."""
 
 
 def _headers_ack(skip_mode: processing_mode_pb2.ProcessingMode | None) -> pb.ProcessingResponse:
@@ -123,9 +133,10 @@ def _headers_ack(skip_mode: processing_mode_pb2.ProcessingMode | None) -> pb.Pro
     return resp
 
 
-HEADERS_ACK = {False: _headers_ack(None), True: _headers_ack(SKIP_RESPONSE[BUFFERED])}
+HEADERS_ACK = {False: _headers_ack(SEND_RESPONSE[BUFFERED]), True: _headers_ack(SKIP_RESPONSE[BUFFERED])}
 """Built once, never modified (sent as they are, by many streams): the BUFFERED answer to the
-request headers, which changes nothing, keyed by whether it skips the response path."""
+request headers, which changes nothing, keyed by whether it skips the response path (else it
+turns it on: :data:`SEND_RESPONSE`)."""
 BODY_ACK = pb.ProcessingResponse(request_body=pb.BodyResponse())
 BODY_CLEAR = pb.ProcessingResponse(
     request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(clear_body=True)))
@@ -330,12 +341,18 @@ class Exchange:
             return [self._override(self._headers_response(body_len=None))]
         if self.request_mode == FULL_DUPLEX:
             return []  # answered once the body's end-of-stream arrives
-        return [HEADERS_ACK[self.skip_response_headers and self.request_mode == BUFFERED]]
+        if self.request_mode == BUFFERED and self.response_mode == NO_BODY:
+            return [HEADERS_ACK[self.skip_response_headers]]
+        return [self._override(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))]
 
     def _override(self, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
         """``resp`` (the request-headers response: Envoy honours a mode override only there),
-        with response headers skipped where :attr:`skip_response_headers` says so."""
-        mode = SKIP_RESPONSE.get(self.request_mode) if self.skip_response_headers else None
+        with the response path skipped where :attr:`skip_response_headers` says so, and turned on
+        otherwise (the rendered configs skip it unless told: :data:`SEND_RESPONSE`). No override
+        with a FULL_DUPLEX_STREAMED request body or a response body the picker is sent."""
+        mode = None
+        if self.request_mode != FULL_DUPLEX and self.response_mode == NO_BODY:
+            mode = (SKIP_RESPONSE if self.skip_response_headers else SEND_RESPONSE).get(self.request_mode)
         if mode is not None:
             resp.mode_override.CopyFrom(mode)
         return resp
