@@ -125,8 +125,13 @@ picker cluster (1,024 requests) refused every other request past 1,024 of them (
 request must arrive within ``--request-timeout`` (30 s; Envoy's ``request_timeout``, disarmed once
 the last byte of the request is received, so a response may stream for as long as it takes), else
 Envoy answers a JSON 408; a chunked or large body (the streamed routes) holds its picker stream
-until then. That 408, like Envoy's other local replies, passes through ext_proc's response path:
-one short picker stream per slow client. The picker cluster allows ``--picker-streams`` (4,096,
+until then. Envoy runs that 408, like its other local replies, through ext_proc's response path;
+with BUFFERED bodies the filter's response header and trailer modes are SKIP, so a local reply to
+a request ext_proc never saw (a 408 or 413 the buffer filter answered, the header check's 431)
+opens no picker stream, and the picker's answer to the request headers turns the response path on
+(``mode_override``) for a request it routed and wants the response of; the streamed routes keep it
+on, their stream being open from the headers (a burst of response-only streams had ended a few
+CANCELLED, and fail-close turned those 408s into 500s). The picker cluster allows ``--picker-streams`` (4,096,
 the picker's own default cap) concurrent streams; the overload manager caps open client connections
 at ``--max-connections`` (50,000; the admin listener exempt) and, given ``--max-heap-bytes``, shrinks
 the heap at 95% of it and refuses new requests at 98%; a client may open 100 streams on one HTTP/2
