@@ -59,7 +59,7 @@ from picker.core.config import RouterConfig, load_file
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import DECODE, PREFILL, Endpoint, EndpointMetrics, EndpointState, Health
 from picker.core.errors import PickerError
-from picker.core.flowcontrol import FlowControlConfig, FlowController, Item
+from picker.core.flowcontrol import FlowControlConfig, FlowController, Item, Outcome, freest
 from picker.core.prefix.precise import State, Sync
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
@@ -109,7 +109,10 @@ class Replica:
     tickets: dict[int, tuple[Router, Ticket, Record]] = field(default_factory=dict)
 
 
-SHARE = frozenset({"inflight", "picks"})
+SHARE = frozenset({"inflight", "picks", "peers"})
+LOAD_INTERVAL_S = 0.05
+"""The peer channel's load-report pace (``picker.feeds.peers``' ``load_interval_s``): a picker
+whose work changed (a request finished) reports it at most this long after."""
 HOT_USES = 4
 """A trace block (512-token hash id) sent in this many requests or more is a hot prefix."""
 
@@ -158,6 +161,18 @@ class Result:
     """Median, over the hot prefixes, of the replicas their requests were sent to (each such
     replica computed or cached the prefix: a copy)."""
     holders_p99: float = 0.0
+    over_admitted: int = 0
+    """Flow-control dispatches (``dispatched``) a picker made on its own view of the load while a
+    picker that knew every picker's in-flight work at that moment, with the same scrapes, would
+    have judged the pool saturated (:meth:`Cluster.drift`)."""
+    admitted: int = 0
+    """Flow-control dispatches (``dispatched``) over all pickers."""
+    saturated: tuple[float, ...] = ()
+    """Per picker, the fraction of scrape instants (every 200 ms) at which it judged the pool saturated."""
+    disagree: float = 0.0
+    """Fraction of scrape instants at which the pickers did not all judge saturation alike."""
+    unheard_max: int = 0
+    """Most picks one picker had made that one peer had not yet heard of, over the run."""
 
 
 class Cluster:
@@ -178,8 +193,10 @@ class Cluster:
         pd: tuple[int, int] | None = None,
         flow_control: FlowControlConfig | None = None,
         tags: Callable[[trace.Row], Tag] | None = None,
+        peer_delay_s: float = 0.01,
     ) -> None:
         assert pickers >= 1 and share <= SHARE, f"bad pickers {pickers} / share {sorted(share)}"
+        assert "peers" not in share or len(share) == 1, "peers models what inflight and picks share at once"
         assert pd is None or sum(pd) == n, f"P/D split {pd} is not {n} replicas"
         self.now = 0.0
         self.event_delay_s = event_delay_s
@@ -194,6 +211,24 @@ class Cluster:
             cfg_r = dataclasses.replace(cfg_r, profiles=seeded_profiles(cfg_r.profiles, seed))
         self.pickers = self._pickers(cfg_r, endpoints, pickers, share)
         self.router, self.pool = self.pickers[0], self.pickers[0].pool
+        self.peer_delay_s = peer_delay_s
+        self.peers = "peers" in share and pickers > 1
+        self._loads: list[dict[int, dict[str, tuple[int, int]]]] = [{} for _ in self.pickers]
+        """Receiver → sender → its last load report heard ({endpoint: (requests, pending prefill
+        tokens)}). Writer: :meth:`_hear`."""
+        self._report_at: list[float | None] = [None] * pickers
+        """Per picker, when its next load report (after a finish) is due; None: none is due."""
+        self.unheard = [[0] * pickers for _ in range(pickers)]
+        """[sender][receiver]: picks sent and not yet delivered."""
+        self.unheard_max = 0
+        self.admitted = 0
+        self.over_admitted = 0
+        self.sat_counts = [0] * pickers
+        self.samples = 0
+        self.disagreements = 0
+        if self.peers:
+            for i, r in enumerate(self.pickers):
+                r.add_pick_listener(self._publisher_of(i))
         cfg = EngineConfig(block_size, kv_blocks, scheduler=sched or SchedulerConfig())
         self._cfg_block_size = block_size
         self.precise = self.router.precise is not None
@@ -253,7 +288,12 @@ class Cluster:
         """``n`` pickers, as replicas of the picker service: each its own pool state (in-flight
         counts), prefix index and speculative entries, unless ``share`` names ``inflight`` (one
         pool: every picker sees every other's in-flight work at once) or ``picks`` (one index:
-        every pick broadcast at once as an index entry). Every picker gets every KV event."""
+        every pick broadcast at once as an index entry), or ``peers`` (the peer channel of
+        :mod:`picker.feeds.peers`, delayed: each pick reaches the others ``peer_delay_s`` later as
+        an index entry with its sender's load report, and a picker whose request finished sends
+        a report within :data:`LOAD_INTERVAL_S`; a receiver sums its peers' last reports into
+        ``peer_load``, which the cost scorer and flow control's saturation rule read). Every
+        picker gets every KV event."""
         pools: list[Pool] = []
         routers: list[Router] = []
         for _ in range(n):
@@ -347,7 +387,92 @@ class Cluster:
         self._rearm()
 
     def _dispatch(self, item: Item[Queued]) -> None:
+        if item.outcome is Outcome.DISPATCHED:
+            self.admitted += 1
+            if len(self.pickers) > 1:
+                self.over_admitted += not self._true_room(item.payload[0])
         self._send(*item.payload)
+
+    # -- the peer channel (share ``peers``), as picker.feeds.peers sends it ------------------------
+    @staticmethod
+    def _report(router: Router) -> dict[str, tuple[int, int]]:
+        return {
+            s.key: (s.load.in_flight_requests, s.load.pending_prefill_tokens)
+            for s in router.pool
+            if s.load.in_flight_requests or s.load.pending_prefill_tokens
+        }
+
+    def _publisher_of(self, i: int) -> Callable[[str, list[int] | None, list[int]], None]:
+        def publish(key: str, keys: list[int] | None, hashes: list[int]) -> None:
+            """A pick, with its sender's load report taken after it was charged (Router.start)."""
+            report = self._report(self.pickers[i])
+            for j in range(len(self.pickers)):
+                if j != i:
+                    self.unheard[i][j] += 1
+                    self.unheard_max = max(self.unheard_max, self.unheard[i][j])
+                    self._push(self.now + self.peer_delay_s, "peer", (i, j, key, keys, hashes, report))
+
+        return publish
+
+    def _hear(self, i: int, j: int, key: str | None, keys: Any, hashes: Any, report: Any) -> None:
+        """Picker ``j`` receives ``i``'s pick (``key`` None: a report alone): the index entry, and
+        the report summed with the other peers' into ``j``'s ``peer_load``."""
+        r = self.pickers[j]
+        if key is not None:
+            self.unheard[i][j] -= 1
+            r.record_remote_pick(key, keys or (), hashes)
+        self._loads[j][i] = report
+        reqs: dict[str, int] = {}
+        pend: dict[str, int] = {}
+        for rep in self._loads[j].values():
+            for k, (n, p) in rep.items():
+                reqs[k] = reqs.get(k, 0) + n
+                pend[k] = pend.get(k, 0) + p
+        for st in r.pool:
+            st.peer_load.in_flight_requests = reqs.get(st.key, 0)
+            st.peer_load.pending_prefill_tokens = pend.get(st.key, 0)
+
+    def _report_due(self, router: Router) -> None:
+        """``router``'s work changed (a request finished): it reports within LOAD_INTERVAL_S."""
+        i = self.pickers.index(router)
+        if self._report_at[i] is None:
+            self._report_at[i] = self.now + LOAD_INTERVAL_S
+            self._push(self.now + LOAD_INTERVAL_S, "report", i)
+
+    def _send_report(self, i: int) -> None:
+        self._report_at[i] = None
+        report = self._report(self.pickers[i])
+        for j in range(len(self.pickers)):
+            if j != i:
+                self._push(self.now + self.peer_delay_s, "peer", (i, j, None, None, None, report))
+
+    # -- drift ------------------------------------------------------------------------------------
+    def _true_room(self, router: Router) -> bool:
+        """Would ``router`` find room (flowcontrol.freest) if it knew every other picker's
+        in-flight work now, instead of what reached it? Same scrapes, same own load."""
+        states = self._routable(router)()
+        saved = [(s.peer_load.in_flight_requests, s.peer_load.pending_prefill_tokens) for s in states]
+        pools = {id(p.pool): p.pool for p in self.pickers if p is not router and p.pool is not router.pool}
+        for s in states:
+            n = p = 0
+            for pool in pools.values():
+                o = pool.get(s.key)
+                if o is not None:
+                    n += o.load.in_flight_requests
+                    p += o.load.pending_prefill_tokens
+            s.peer_load.in_flight_requests, s.peer_load.pending_prefill_tokens = n, p
+        room = freest(states) is not None
+        for s, (n, p) in zip(states, saved, strict=True):
+            s.peer_load.in_flight_requests, s.peer_load.pending_prefill_tokens = n, p
+        return room
+
+    def _sample_saturation(self) -> None:
+        """At a scrape instant: which pickers judge the pool saturated, on their own views."""
+        sat = [freest(self._routable(r)()) is None for r in self.pickers]
+        self.samples += 1
+        for i, x in enumerate(sat):
+            self.sat_counts[i] += x
+        self.disagreements += len(set(sat)) > 1
 
     def _shed(self, item: Item[Queued]) -> None:
         assert item.outcome is not None, "shed without an outcome"
@@ -436,6 +561,8 @@ class Cluster:
                 self.itls.append(req.last_token_at - req.prev_token_at)
             if req.finished:
                 router.finish(ticket)
+                if self.peers:
+                    self._report_due(router)
                 del rep.tickets[req.request_id]
                 self.done += 1
                 self.done_prompt_tokens += len(req.prompt)
@@ -495,6 +622,12 @@ class Cluster:
             elif kind == "kv_in":
                 assert isinstance(payload, tuple), f"kv_in event carries {payload!r}"
                 self._kv_in(*payload)
+            elif kind == "peer":
+                assert isinstance(payload, tuple), f"peer event carries {payload!r}"
+                self._hear(*payload)
+            elif kind == "report":
+                assert isinstance(payload, int), f"report event carries {payload!r}"
+                self._send_report(payload)
             elif kind == "flow":
                 if self._wake is not None and self._wake <= self.now:
                     self._wake = None
@@ -503,6 +636,8 @@ class Cluster:
                 self._scrape()
                 if self.flows:
                     self._pump()
+                    if len(self.pickers) > 1:
+                        self._sample_saturation()
                 if len(self._events) > 0:
                     self._push(self.now + scrape_s, "scrape", None)
 
@@ -559,6 +694,7 @@ def simulate(
     decider_params: Mapping[str, Any] | None = None,
     link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S,
     flow_control: FlowControlConfig | None = None,
+    peer_delay_s: float = 0.01,
 ) -> Result:
     """Route ``rows`` over ``n`` engines under ``policy`` (a built-in, or a profile of
     ``router_cfg``, the picker's own config as ``--config-file`` loads it). ``pd`` (prefill,
@@ -586,6 +722,7 @@ def simulate(
         share=share,
         pd=pd,
         flow_control=flow_control or router_cfg.flow_control,
+        peer_delay_s=peer_delay_s,
     )
     c.run(rows, time_scale)
     waits = sorted(w for fc in c.flows.values() for ws in fc.queue.waits.values() for w in ws)
@@ -625,6 +762,11 @@ def simulate(
         len(held),
         float(held[len(held) // 2]) if held else 0.0,
         float(held[min(len(held) - 1, int(0.99 * len(held)))]) if held else 0.0,
+        c.over_admitted,
+        c.admitted,
+        tuple(n / c.samples for n in c.sat_counts) if c.samples else (),
+        c.disagreements / c.samples if c.samples else 0.0,
+        c.unheard_max,
     )
 
 
@@ -689,7 +831,14 @@ def main(argv: list[str] | None = None) -> int:
         "--share",
         default="",
         help="what the pickers share at once: inflight, picks, inflight+picks, or '' (only the KV events); "
+        "or peers: picks and load reports over the modelled peer channel, --peer-delay-s late; "
         "comma-separated to compare",
+    )
+    p.add_argument(
+        "--peer-delay-s",
+        type=float,
+        default=0.01,
+        help="peer channel delivery delay (--share peers), seconds",
     )
     p.add_argument(
         "--pd",
@@ -760,6 +909,7 @@ def main(argv: list[str] | None = None) -> int:
             params.get(dec),
             a.link_gb_per_s * 1e9,
             fc,
+            a.peer_delay_s,
         )
         for mode in a.prefix_mode.split(",")
         for pol in a.policy.split(",")
@@ -789,6 +939,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{r.prompt_tokens_per_s:>13.0f}{r.computed_tokens_per_s:>11.0f}{r.holders_p50:>12.0f}{r.holders_p99:>5.0f}"
             f"{r.errors:>7}{r.shed:>6}{r.queue_wait_p90:>9.3f}{r.wall_seconds:>8.1f}"
         )
+    for r in results:
+        if r.flow_control and r.pickers > 1:
+            print(
+                f"drift {r.share or '-'}: over-admitted {r.over_admitted} of {r.admitted} dispatched; "
+                f"saturated {' '.join(f'{x:.3f}' for x in r.saturated)} (per picker); "
+                f"disagree {r.disagree:.3f}; unheard picks max {r.unheard_max}"
+            )
     if results:
         r = results[0]
         print(

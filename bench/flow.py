@@ -5,6 +5,7 @@ in cluster mode (simulated time, deterministic per seed), 8 × H100 Llama-3.1-8B
     python -m bench.flow overload --capacity-rps C # 0.8 … 2 × C and a burst, four policies
     python -m bench.flow tenants  --capacity-rps C # a 10× tenant at 1.5 × C
     python -m bench.flow priority --capacity-rps C # a critical band while sheddable floods at 3 × C
+    python -m bench.flow pickers  --capacity-rps C # 1, 2, 4 pickers' admissions at 1 and 1.5 × C
 
 **Capacity**: the trace sent at five times its own rate (time scale 0.2) under ``cost`` without
 flow control; the replicas then never idle, and requests finished per simulated second, over the
@@ -61,6 +62,9 @@ def run(
     fc_cfg: FlowControlConfig | None = None,
     n: int = 8,
     prof: str = "h100-llama-3.1-8b",
+    pickers: int = 1,
+    share: frozenset[str] = frozenset(),
+    peer_delay_s: float = 0.01,
 ) -> tuple[Cluster, dict[str, Any]]:
     cfg = cfg or RouterConfig()
     fcc = dataclasses.replace(fc_cfg or cfg.flow_control, enabled=fc)
@@ -74,6 +78,9 @@ def run(
         router_cfg=cfg,
         flow_control=fcc,
         tags=tags,
+        pickers=pickers,
+        share=share,
+        peer_delay_s=peer_delay_s,
     )
     c.run(list(rows), time_scale)
     window = (rows[-1].arrival_s - rows[0].arrival_s) * time_scale
@@ -297,11 +304,70 @@ def cmd_priority(rows: Sequence[trace.Row], a: argparse.Namespace) -> list[dict[
     return out
 
 
+def cmd_pickers(rows: Sequence[trace.Row], a: argparse.Namespace) -> list[dict[str, Any]]:
+    """The overload suite's requests (sheddable, 2 s TTFT objective) under ``cost`` with flow
+    control, split round-robin over 1, 2 and 4 pickers, each with its own queue, seeing its peers
+    through ``--shares`` (``peers``: the modelled peer channel, ``--peer-delay-s`` late;
+    ``inflight``: one pool, every peer's work seen at once; ``none``: scrapes only). Drift
+    (bench.cluster's ``Result``): ``over_admitted`` of ``admitted`` dispatches; per picker the
+    fraction of scrape instants it judged the pool saturated; the fraction at which they
+    disagreed; the most picks one picker made that one peer had not yet heard of."""
+    rate, cap = trace_rate(rows), a.capacity_rps
+    out = []
+    for x in a.loads:
+        ts = rate / (x * cap)
+        for n in a.pickers:
+            for sh in a.shares if n > 1 else ["-"]:
+                share = frozenset() if sh in ("-", "none") else frozenset(sh.split("+"))
+                c, s = run(
+                    rows,
+                    "cost",
+                    True,
+                    ts,
+                    a.seed,
+                    slo_tag,
+                    SHEDDABLE,
+                    None,
+                    8,
+                    "h100-llama-3.1-8b",
+                    n,
+                    share,
+                    a.peer_delay_s,
+                )
+                sat = [k / c.samples for k in c.sat_counts] if c.samples else []
+                s.update(
+                    load=f"{x:g}",
+                    policy="cost",
+                    flow_control=True,
+                    time_scale=ts,
+                    pickers=n,
+                    share=sh,
+                    peer_delay_s=a.peer_delay_s,
+                    admitted=c.admitted,
+                    over_admitted=c.over_admitted,
+                    saturated=sat,
+                    disagree=c.disagreements / c.samples if c.samples else 0.0,
+                    unheard_max=c.unheard_max,
+                )
+                out.append(s)
+                print(
+                    f"{s['load']:>5} pickers {n} {sh:<9} good2 {s['goodput_2s']:6.2f}"
+                    f" p90 {s['ttft_p90']:6.2f} shed {s['shed']:4d} hit {s['hit_rate']:.3f}"
+                    f" over {c.over_admitted}/{c.admitted} sat {' '.join(f'{v:.3f}' for v in sat)}"
+                    f" disagree {s['disagree']:.3f} unheard {c.unheard_max} wall {s['wall_s']:4.0f}",
+                    flush=True,
+                )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.flow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("study", choices=["capacity", "overload", "tenants", "priority"])
+    p.add_argument("study", choices=["capacity", "overload", "tenants", "priority", "pickers"])
+    p.add_argument("--pickers", default="1,2,4", help="pickers: picker counts")
+    p.add_argument("--shares", default="peers", help="pickers: peers, inflight, none (comma-separated)")
+    p.add_argument("--peer-delay-s", type=float, default=0.01, help="pickers: peer channel delay, seconds")
     p.add_argument("--trace", default=str(trace.DEFAULT_TRACE))
     p.add_argument("--limit", type=int, default=None, help="the first N rows")
     p.add_argument("--capacity-rps", type=float, default=0.0)
@@ -317,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     a.loads = [float(x) for x in a.loads.split(",") if x]
+    a.pickers = [int(x) for x in a.pickers.split(",") if x]
+    a.shares = [x for x in a.shares.split(",") if x]
     if a.policies:
         want = set(a.policies.split(","))
         global POLICIES
@@ -329,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         "overload": cmd_overload,
         "tenants": cmd_tenants,
         "priority": cmd_priority,
+        "pickers": cmd_pickers,
     }[a.study]
     result = study(rows, a)
     if a.json:

@@ -215,3 +215,52 @@ def test_flow_control_holds_sheds_and_answers_every_request(tmp_path: pathlib.Pa
     late = lambda c: sum(1 for r in c.records if r.ttft is not None and r.ttft > 2.0)  # noqa: E731
     assert late(on) < late(off), (late(on), late(off))
     assert not off.flows and {r.outcome for r in off.records} == {"served"}
+
+
+def test_several_pickers_with_flow_control_share_load_over_the_peer_channel(tmp_path: pathlib.Path) -> None:
+    """Two pickers, each its own queue, past two replicas' capacity. Over the modelled peer
+    channel (``peers``) each hears the other's load late, so it over-admits sometimes, but far
+    less than with scrapes alone; with one shared pool (``inflight``) its view is the truth, so
+    never. Every request is answered, and once the channel drains each picker's view of its
+    peer's load is empty, as the peer's own is."""
+    import dataclasses
+
+    from bench.cluster import Tag
+    from picker.core.config import RouterConfig
+    from picker.core.flowcontrol import FlowControlConfig
+
+    raw = [
+        {"timestamp": 10 * k, "input_length": 6000, "output_length": 4, "hash_ids": [k % 4, 100 + k]}
+        for k in range(200)
+    ]
+    rows = trace.read(write_trace(tmp_path / "t.jsonl", raw))
+    cfg = RouterConfig(objectives={"batch": -1})
+
+    def tag(r: trace.Row) -> Tag:
+        return Tag(objective="batch", slo_ttft_ms=2000.0)
+
+    def run(share: str) -> Cluster:
+        fc = dataclasses.replace(FlowControlConfig(), enabled=True)
+        c = Cluster(
+            2,
+            "cost",
+            profile("h100-llama-3.1-8b"),
+            router_cfg=cfg,
+            flow_control=fc,
+            tags=tag,
+            pickers=2,
+            share=frozenset({share} if share else ()),
+        )
+        c.run(rows)
+        return c
+
+    peers, alone, shared = run("peers"), run(""), run("inflight")
+    for c in (peers, alone, shared):
+        assert {r.outcome for r in c.records} <= {"served", "shed_predicted_slo_miss"}
+        assert all(len(fc.queue) == 0 for fc in c.flows.values())
+        assert c.admitted > 0 and c.samples > 0
+    assert shared.over_admitted == 0
+    assert peers.over_admitted < alone.over_admitted, (peers.over_admitted, alone.over_admitted)
+    assert peers.unheard_max > 0 and all(n == 0 for row in peers.unheard for n in row)
+    for r in peers.pickers:
+        assert all(s.peer_load.in_flight_requests == 0 == s.peer_load.pending_prefill_tokens for s in r.pool)
