@@ -770,6 +770,11 @@ def simulate(
     )
 
 
+def scale_outputs(row: trace.Row, k: float) -> trace.Row:
+    """``row`` with its output length times ``k`` (rounded, at least 1 token)."""
+    return dataclasses.replace(row, output_length=max(1, round(row.output_length * k)))
+
+
 def parse_pd(spec: str) -> tuple[int, int] | None:
     """``NpMd`` (case-insensitive, e.g. ``2P6D``) → (N, M); ``-`` or "" → None (aggregated)."""
     s = spec.strip().upper()
@@ -853,7 +858,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--threshold-tokens", type=int, default=512, help="the token-threshold decider's threshold"
     )
-    p.add_argument("--itl-weight", type=float, default=1.0, help="the cost decider's itl_weight")
+    p.add_argument(
+        "--output-scale",
+        type=float,
+        default=1.0,
+        help="multiply every row's output length (rounded, at least 1): a decode-heavier trace with the "
+        "same prompts and arrivals; deterministic",
+    )
     p.add_argument(
         "--link-gb-per-s",
         type=float,
@@ -872,11 +883,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     params: dict[str, dict[str, Any]] = {
-        "cost": {"itl_weight": a.itl_weight},
         "token-threshold": {"threshold_tokens": a.threshold_tokens},
     }
     runs = [(sp, d) for sp in splits for d in (a.pd_decider.split(",") if sp else ["-"])]
     rows = trace.read(a.trace, a.limit)
+    if a.output_scale != 1.0:
+        if a.output_scale <= 0:
+            p.error("--output-scale must be > 0")
+        rows = [scale_outputs(r, a.output_scale) for r in rows]
     profs = [profile(name) for name in a.profile.split(",")]
     router_cfg = load_file(a.config_file) if a.config_file else None
     sched = SchedulerConfig(

@@ -6,7 +6,7 @@ import json
 import pathlib
 
 from bench import mooncake_trace as trace
-from bench.cluster import Cluster, main, simulate
+from bench.cluster import Cluster, main, scale_outputs, simulate
 from replica.sim import tokenizer
 from replica.sim.costmodel import profile
 
@@ -264,3 +264,21 @@ def test_several_pickers_with_flow_control_share_load_over_the_peer_channel(tmp_
     assert peers.unheard_max > 0 and all(n == 0 for row in peers.unheard for n in row)
     for r in peers.pickers:
         assert all(s.peer_load.in_flight_requests == 0 == s.peer_load.pending_prefill_tokens for s in r.pool)
+
+
+def test_output_scale_makes_a_decode_heavier_trace(tmp_path: pathlib.Path) -> None:
+    """``--output-scale k`` keeps prompts and arrivals and multiplies output lengths: the run
+    lasts longer by the extra decode steps."""
+    rows = _pd_rows(tmp_path, 4)
+    scaled = [scale_outputs(r, 8) for r in rows]
+    assert [r.output_length for r in scaled] == [128] * 4
+    assert [(r.arrival_s, r.input_length, r.hash_ids) for r in scaled] == [
+        (r.arrival_s, r.input_length, r.hash_ids) for r in rows
+    ]
+    assert scale_outputs(rows[0], 0.001).output_length == 1
+    path = str(tmp_path / "pd.jsonl")
+    base, heavy = tmp_path / "a.json", tmp_path / "b.json"
+    assert main(["--trace", path, "--replicas", "2", "--json", str(base)]) == 0
+    assert main(["--trace", path, "--replicas", "2", "--output-scale", "8", "--json", str(heavy)]) == 0
+    a, b = (json.loads(f.read_text())[0] for f in (base, heavy))
+    assert b["sim_seconds"] > a["sim_seconds"] and a["errors"] == b["errors"] == 0

@@ -166,13 +166,17 @@ def test_cost_decider_disaggregates_a_long_cold_prompt_on_a_busy_decode_pod() ->
 
 
 def test_cost_decider_keeps_a_prefix_cached_on_the_decode_pod_local() -> None:
+    """D holds the prompt (an idle D prefilled it itself), the prefill pods do not: the local
+    prefill is the short tail, which stalls D's 40 running requests less than the prefill pod
+    takes to compute the whole prompt."""
     router, pool, _ = make("cost")
+    d0 = router.route(req(LONG))
+    assert d0.prefill is None, "an idle decode pod: nobody to stall, local"
+    router.finish(router.start(d0))
     for key in (D1, D2):
         s = pool.get(key)
         assert s is not None
         s.metrics = EndpointMetrics(running=40)
-    d0 = router.route(req(LONG))
-    router.finish(router.start(d0))
     d = router.route(req(LONG + " q2"))
     assert d.primary.key == d0.primary.key, "the decode pick follows the cached prefix"
     assert d.prefill is None and d.pd is not None and d.pd.verdict is not None, d.pd
@@ -198,12 +202,39 @@ def test_cost_decider_weighs_the_stall_of_running_decodes() -> None:
     cyc, _, _ = router.cycle(req(LONG), list(pool))
     d, p = pool.get(D1), pool.get(P1)
     assert d is not None and p is not None
-    assert not CostDecider(itl_weight=1.0).decide(cyc, d, p, link).disaggregate
+    assert not CostDecider().decide(cyc, d, p, link).disaggregate, "nobody to stall: TTFT alone, local"
     d.metrics = EndpointMetrics(running=20)
-    assert CostDecider(itl_weight=1.0).decide(cyc, d, p, link).disaggregate
-    assert not CostDecider(itl_weight=0.0).decide(cyc, d, p, link).disaggregate, "TTFT alone: local"
+    assert CostDecider().decide(cyc, d, p, link).disaggregate
     slow = Link(131_072, 1e6)  # 1 MB/s: the transfer dominates
-    assert not CostDecider(itl_weight=1.0).decide(cyc, d, p, slow).disaggregate
+    assert not CostDecider().decide(cyc, d, p, slow).disaggregate
+
+
+def test_cost_decider_charges_the_stall_once_per_running_decode() -> None:
+    """The local path costs the request's TTFT on D plus ``running(D) × own(D)`` request-seconds:
+    each of D's running requests is delayed by the prefill's own time. With 8 running on D and
+    the prefill pods' queue worth about 3 × own(D), the remote path wins; the old rule, which
+    charged ``own(D)`` once whatever D's batch (``itl_weight`` 1), kept it local."""
+    router, pool, _ = make("cost")
+    link = Link(131_072, 50e9)
+    cyc, _, _ = router.cycle(req(LONG), list(pool))
+    d, p = pool.get(D1), pool.get(P1)
+    assert d is not None and p is not None
+    d.metrics = EndpointMetrics(running=8)
+    dm, pm = d.model, p.model
+    uncached = cyc.prompt_tokens - cyc.cached_tokens(d.key)
+    own = uncached / dm.prefill_rate
+    # P's queue: waiting requests at the model's tokens per request, about 3 × own(D) of prefill.
+    waiting = round(3 * uncached / pm.uncached_per_request)
+    p.metrics = EndpointMetrics(waiting=waiting)
+    v = CostDecider().decide(cyc, d, p, link)
+    d_queued, d_running = queued_and_running(d)
+    assert d_running == 8
+    ttft_d = (d_queued + uncached) / dm.prefill_rate + dm.step_s(d_running)
+    assert v.local_s == pytest.approx(ttft_d + 8 * own), "TTFT plus running × own, in seconds"
+    assert ttft_d + own < v.remote_s < v.local_s, "charged once (the old rule) it stays local"
+    assert v.disaggregate
+    d.metrics = EndpointMetrics(running=1)
+    assert not CostDecider().decide(cyc, d, p, link).disaggregate, "one decode to stall: local"
 
 
 def test_token_threshold_decider_counts_uncached_tokens_on_the_decode_pod() -> None:

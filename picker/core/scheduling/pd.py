@@ -19,20 +19,29 @@ One :meth:`PDHandler.run` per request:
 
 Deciders (registry ``DECIDERS``; ``pd.decider`` in the config):
 
-- ``cost`` (default): the calibrated load model (:mod:`picker.core.scheduling.cost`)::
+- ``cost`` (default): the calibrated load model (:mod:`picker.core.scheduling.cost`), in
+  request-seconds (seconds of latency, summed over the requests that suffer them)::
 
-      local  = ttft(D) + itl_weight * stall(D)
-      stall(D) = uncached(D) / rate(D)        if D runs decodes, else 0
-      remote = max(ttft(P) + transfer, queue(D) / rate(D)) + step(D, running(D))
+      local    = ttft(D) + running(D) * own(D)
+      ttft(D)  = (queued(D) + uncached(D)) / rate(D) + step(D, running(D))
+      own(D)   = uncached(D) / rate(D)
+      remote   = max(ttft(P) + transfer, queued(D) / rate(D)) + step(D, running(D))
+      ttft(P)  = (queued(P) + uncached(P)) / rate(P) + step(P, running(P))
       transfer = uncached(D) * kv_bytes_per_token / link_bytes_per_s
 
-  and disaggregates when ``remote < local``. ``ttft(e)`` is the cost scorer's estimate (queued
-  prefill, the prompt's uncached part, one step with ``e``'s running batch); ``stall(D)`` is what
-  each running decode on ``D`` loses while ``D`` prefills the prompt itself (chunked prefill
-  shares its steps with them), weighted against the request's own TTFT by ``itl_weight``;
-  on the remote path the KV of the part ``D`` lacks crosses the link, then the request joins
-  ``D``'s batch behind whatever ``D`` still has queued. A prefix already cached on ``D`` makes
-  ``uncached(D)`` small, so ``local`` wins by itself.
+  and disaggregates when ``remote < local``. ``queued``, ``running``, ``rate`` and ``step`` are
+  the cost scorer's (:func:`~picker.core.scheduling.cost.queued_and_running`, each pod's own
+  calibrated model): ``ttft(P)`` is the prefill pod's predicted queue plus this prompt's part it
+  lacks. ``running(D) * own(D)`` is the interruption of ``D``'s decodes: while ``D`` prefills
+  the prompt itself (chunked prefill shares every step with the batch), each of the
+  ``running(D)`` requests in its batch gets one token per prefill chunk instead of one per
+  decode step, so each finishes about ``own(D)`` seconds later: ``running(D)`` requests ×
+  ``own(D)`` seconds, the same unit as the request's own TTFT (one second of any request's
+  latency counts once; no weight). On the remote path the KV of the part ``D`` lacks crosses
+  the link, then the request joins ``D``'s batch behind whatever ``D`` still has queued; it
+  adds one sequence to ``D``'s steps, ``step_per_seq`` per token, which the rule neglects. A
+  prefix already cached on ``D`` makes ``own(D)`` small, so ``local`` wins by itself; an idle
+  ``D`` (``running`` 0) stalls nobody, so the request's TTFT alone decides.
 - ``token-threshold``: llm-d's ``prefix-based-pd-decider``: disaggregate when the prompt's
   uncached part on ``D`` is at least ``threshold_tokens``. For comparison.
 - ``always`` / ``never``: for benchmarks.
@@ -97,15 +106,9 @@ def _uncached(cycle: Cycle, e: EndpointState) -> int:
 @dataclass
 class CostDecider:
     """Disaggregate when the predicted TTFT through the prefill pod, KV transfer included, beats
-    prefilling on the decode pod plus the stall it imposes on that pod's running decodes."""
-
-    itl_weight: float = 1.0
-    """How much one second of stall of the decode pod's running decodes counts against one second
-    of the request's own TTFT (0: TTFT alone)."""
-
-    def __post_init__(self) -> None:
-        if self.itl_weight < 0:
-            raise ValueError(f"cost decider: itl_weight must be >= 0, got {self.itl_weight}")
+    prefilling on the decode pod plus the delay that prefill imposes on each of the decode pod's
+    running requests; all in request-seconds (the module doc). No parameters: both sides count
+    seconds of some request's latency, once each."""
 
     def decide(self, cycle: Cycle, decode: EndpointState, prefill: EndpointState, link: Link) -> Verdict:
         d_model, p_model = decode.model, prefill.model
@@ -115,8 +118,7 @@ class CostDecider:
         p_uncached = _uncached(cycle, prefill)
         d_step = d_model.step_s(d_running)
         own = d_uncached / d_model.prefill_rate
-        stall = own if d_running >= 1 else 0.0
-        local = d_queued / d_model.prefill_rate + own + d_step + self.itl_weight * stall
+        local = d_queued / d_model.prefill_rate + own + d_step + d_running * own
         p_ttft = (p_queued + p_uncached) / p_model.prefill_rate + p_model.step_s(p_running)
         ready = max(p_ttft + link.transfer_s(d_uncached), d_queued / d_model.prefill_rate)
         remote = ready + d_step
@@ -164,8 +166,8 @@ class PDConfig:
     decider: str = "cost"
     """``cost``, ``token-threshold``, ``always`` or ``never`` (the module doc)."""
     decider_params: dict[str, Any] = field(default_factory=dict)
-    """The decider's parameters over its defaults (``cost``: ``itl_weight``; ``token-threshold``:
-    ``threshold_tokens``)."""
+    """The decider's parameters over its defaults (``token-threshold``: ``threshold_tokens``;
+    ``cost`` has none)."""
     kv_bytes_per_token: float = DEFAULT_KV_BYTES_PER_TOKEN
     """The served model's KV cache bytes per token (default: Llama-3.1-8B, bf16)."""
     link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S
