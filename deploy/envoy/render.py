@@ -193,6 +193,10 @@ def _ext_proc(
                 "retry_policy": _picker_retry(),
             },
             "failure_mode_allow": failure_open,
+            # Fail-close answers 503, not Envoy's default 500: the picker unreachable, at its
+            # stream cap (the streamed cluster's circuit breaker) or past a message timeout is a
+            # service that cannot take the request now, which a client may retry.
+            "status_on_error": {"code": 503},
             "allow_mode_override": True,
             "message_timeout": message_timeout,
             "max_message_timeout": max_message_timeout,

@@ -66,7 +66,7 @@ def test_the_request_timeout_ends_at_the_request(tmp_path: pathlib.Path) -> None
 
 def test_a_chunked_flood_fills_only_the_streamed_routes_picker_streams(tmp_path: pathlib.Path) -> None:
     """300 slow chunked clients against ``--picker-streams 200`` (streamed routes: 50): 50 hold a
-    stream until their 408, the rest are refused at once (Envoy's 500, as with the picker down),
+    stream until their 408, the rest are refused at once (ext_proc's fail-close 503, as with the picker down),
     and the normal (buffered) requests all succeed. With one cap for both, the 300 would hold all
     200 and fail every normal request."""
     procs = Procs(tmp_path)
@@ -84,6 +84,6 @@ def test_a_chunked_flood_fills_only_the_streamed_routes_picker_streams(tmp_path:
     finally:
         procs.stop()
     summary = out.summary()
-    assert set(out.slow) <= {408, 500} and out.slow[408] >= 40 and out.slow[500] >= 200, summary
+    assert set(out.slow) <= {408, 503} and out.slow[408] >= 40 and out.slow[503] >= 200, summary
     assert sum(counts.values()) >= 200, counts
     assert summary["normal_sent"] >= 20 and set(out.normal) == {200}, summary
