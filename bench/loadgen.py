@@ -18,7 +18,7 @@ import itertools
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -58,6 +58,8 @@ class Outcome:
     """The ``x-request-id`` it was sent with."""
     sent_wall: float = 0.0
     """``time.time()`` just before it was sent: the clock Envoy's access log and vLLM's traces use."""
+    status: int = 0
+    """The HTTP status answered (0: none, the request failed before one came)."""
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -82,7 +84,16 @@ def arrival_times(w: Workload, cfg: LoadConfig) -> list[float | None]:
     return out
 
 
-async def send(http: aiohttp.ClientSession, url: str, req: Req, o: Outcome, model: str) -> None:
+async def send(
+    http: aiohttp.ClientSession,
+    url: str,
+    req: Req,
+    o: Outcome,
+    model: str,
+    headers: Mapping[str, str] | None = None,
+) -> None:
+    """One streamed completion into ``o``; ``headers`` are added to the request's (an objective,
+    a fairness id)."""
     body = {
         "model": model,
         "prompt": req.prompt,
@@ -91,12 +102,13 @@ async def send(http: aiohttp.ClientSession, url: str, req: Req, o: Outcome, mode
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    headers = {**_JSON, "x-request-id": o.request_id} if o.request_id else _JSON
+    sent = {**_JSON, **(headers or {}), **({"x-request-id": o.request_id} if o.request_id else {})}
     o.sent_wall = time.time()
     t0 = time.perf_counter()
     last = 0.0
     try:
-        async with http.post(url + "/v1/completions", data=orjson.dumps(body), headers=headers) as resp:
+        async with http.post(url + "/v1/completions", data=orjson.dumps(body), headers=sent) as resp:
+            o.status = resp.status
             if resp.status != 200:
                 o.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return
