@@ -140,7 +140,11 @@ class Window:
     queue_end: float = 0.0
     """``flow_control_queue_size`` (all priorities) once every request was answered."""
     disconnected: int = 0
-    """Requests whose clients gave up after :data:`DISCONNECT_AFTER_S`."""
+    """Requests whose clients gave up after :data:`DISCONNECT_AFTER_S` unanswered (or mid-stream)."""
+    cut_429: int = 0
+    """Requests of those clients answered 429 before they gave up."""
+    errors: dict[str, int] = field(default_factory=dict)
+    """The ``other`` answers by error (its first 80 characters)."""
     wall_s: float = 0.0
 
 
@@ -156,9 +160,9 @@ async def run_window(
     window_s: float,
     seed: int,
     disconnects: int,
-) -> tuple[dict[str, list[loadgen.Outcome]], list[float], int, str, str]:
+) -> tuple[dict[str, list[loadgen.Outcome]], list[float], list[loadgen.Outcome], str, str]:
     """One window's load through ``url``: each client's outcomes, the replicas' peak waiting,
-    how many clients disconnected, and the picker's metrics page before and after."""
+    the outcomes of the clients that gave up, and the picker's metrics page before and after."""
     rng = random.Random(f"flow-real:{seed}")
     plans: dict[str, list[tuple[float, Req]]] = {}
     for c in CLIENTS:
@@ -171,6 +175,7 @@ async def run_window(
         plans[c] = list(zip(times, prompts, strict=True))
     cut = no_sharing(disconnects, PROMPT_WORDS, OUTPUT_TOKENS, seed=seed * 7 + 5).requests
     outcomes: dict[str, list[loadgen.Outcome]] = {c: [] for c in CLIENTS}
+    cut_outs: list[loadgen.Outcome] = []
     peak = [0.0] * len(replica_urls)
     stop = asyncio.Event()
     conn = aiohttp.TCPConnector(limit=0)
@@ -188,6 +193,7 @@ async def run_window(
         async def give_up(req: Req) -> None:
             await asyncio.sleep(max(0.0, t0 + window_s / 2 - time.perf_counter()))
             o = loadgen.Outcome(-1)
+            cut_outs.append(o)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
                     loadgen.send(http, url, req, o, MODEL, HEADERS["noisy"]), DISCONNECT_AFTER_S
@@ -200,7 +206,7 @@ async def run_window(
         stop.set()
         await sampler
         after = await _get(http, metrics_url)
-    return outcomes, peak, len(cut), before, after
+    return outcomes, peak, cut_outs, before, after
 
 
 def summarize(
@@ -208,16 +214,21 @@ def summarize(
     repeat: int,
     outs: dict[str, list[loadgen.Outcome]],
     peak: list[float],
-    cut: int,
+    cut: list[loadgen.Outcome],
     before: str,
     after: str,
 ) -> Window:
-    w = Window(mode, repeat, waiting_max=peak, disconnected=cut)
+    w = Window(mode, repeat, waiting_max=peak)
+    w.cut_429 = sum(o.status == 429 for o in cut)
+    w.disconnected = len(cut) - w.cut_429
     for c, os_ in outs.items():
         n200 = sum(o.status == 200 and o.ok for o in os_)
         n429 = sum(o.status == 429 for o in os_)
         w.counts[c] = {"200": n200, "429": n429, "other": len(os_) - n200 - n429}
         w.ttft_p90[c] = _p90([o.ttft for o in os_ if o.ok])
+        for o in os_:
+            if not (o.status == 429 or (o.status == 200 and o.ok)):
+                w.errors[o.error[:80]] = w.errors.get(o.error[:80], 0) + 1
     rej = {"decision": "rejected", "outcome": "error_429"}
     w.picker_429 = metric_sum(after, "kvpick_requests_total", **rej) - metric_sum(
         before, "kvpick_requests_total", **rej
@@ -261,7 +272,7 @@ def table(ws: list[Window]) -> str:
                 str(int(statistics.median(w.counts[c][k] for w in rs))) for k in ("200", "429", "other")
             )
 
-        client_429 = [sum(w.counts[c]["429"] for c in CLIENTS) for w in rs]
+        client_429 = [sum(w.counts[c]["429"] for c in CLIENTS) + w.cut_429 for w in rs]
         agree = "yes" if all(x == w.picker_429 for x, w in zip(client_429, rs, strict=True)) else "NO"
         flow_429 = [sum(w.flow.get(k, 0.0) for k in SHED) for w in rs]
         lines.append(
@@ -271,7 +282,7 @@ def table(ws: list[Window]) -> str:
             f"| {', '.join(f'{x:.0f}' for x in flow_429) if mode == 'on' else '—'} "
             f"| {_cell([max(w.waiting_max) for w in rs], '.0f')} "
             f"| {', '.join(f'{w.queue_end:.0f}' for w in rs) if mode == 'on' else '—'} "
-            f"({rs[0].disconnected}{' per window' if mode != 'alone' else ''}) |"
+            f"({', '.join(str(w.disconnected) for w in rs)}) |"
         )
     return "\n".join(lines) + "\n"
 
@@ -359,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"[flow-real] window {i} flow control {mode}: TTFT p90 quiet {w.ttft_p90['quiet']:.2f} critical "
                 f"{w.ttft_p90['critical']:.2f} noisy {w.ttft_p90['noisy']:.2f}  counts {w.counts}  picker 429s "
                 f"{w.picker_429:.0f}  flow {w.flow}  waiting max {w.waiting_max}  queue at end {w.queue_end:.0f}  "
-                f"{w.wall_s:.0f} s",
+                f"disconnected {w.disconnected} (429 first: {w.cut_429})  errors {w.errors}  {w.wall_s:.0f} s",
                 flush=True,
             )
     text = (
