@@ -145,6 +145,8 @@ class Window:
     """Requests of those clients answered 429 before they gave up."""
     errors: dict[str, int] = field(default_factory=dict)
     """The ``other`` answers by error (its first 80 characters)."""
+    served_per_s: float = 0.0
+    """Requests answered 200 over the time from the window's start to the last one's end."""
     wall_s: float = 0.0
 
 
@@ -221,14 +223,18 @@ def summarize(
     w = Window(mode, repeat, waiting_max=peak)
     w.cut_429 = sum(o.status == 429 for o in cut)
     w.disconnected = len(cut) - w.cut_429
+    last = 0.0
     for c, os_ in outs.items():
         n200 = sum(o.status == 200 and o.ok for o in os_)
         n429 = sum(o.status == 429 for o in os_)
         w.counts[c] = {"200": n200, "429": n429, "other": len(os_) - n200 - n429}
         w.ttft_p90[c] = _p90([o.ttft for o in os_ if o.ok])
         for o in os_:
+            if o.ok:
+                last = max(last, o.sent_at + o.e2e)
             if not (o.status == 429 or (o.status == 200 and o.ok)):
                 w.errors[o.error[:80]] = w.errors.get(o.error[:80], 0) + 1
+    w.served_per_s = sum(n["200"] for n in w.counts.values()) / last if last else 0.0
     rej = {"decision": "rejected", "outcome": "error_429"}
     w.picker_429 = metric_sum(after, "kvpick_requests_total", **rej) - metric_sum(
         before, "kvpick_requests_total", **rej
@@ -259,8 +265,8 @@ def table(ws: list[Window]) -> str:
     lines = [
         "| flow control | quiet TTFT p90 s | critical TTFT p90 s | noisy 200 / 429 / other | quiet 200 / 429 / other "
         "| critical 200 / 429 / other | client 429s = picker's 429s | flow control's 429 outcomes "
-        "| vLLM waiting, max per replica | queue gauge at end (disconnected) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| vLLM waiting, max per replica | queue gauge at end (disconnected) | served req/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in ("alone", "on", "off"):
         rs = [w for w in ws if w.mode == mode]
@@ -282,7 +288,8 @@ def table(ws: list[Window]) -> str:
             f"| {', '.join(f'{x:.0f}' for x in flow_429) if mode == 'on' else '—'} "
             f"| {_cell([max(w.waiting_max) for w in rs], '.0f')} "
             f"| {', '.join(f'{w.queue_end:.0f}' for w in rs) if mode == 'on' else '—'} "
-            f"({', '.join(str(w.disconnected) for w in rs)}) |"
+            f"({', '.join(str(w.disconnected) for w in rs)}) "
+            f"| {_cell([w.served_per_s for w in rs], '.2f')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -370,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"[flow-real] window {i} flow control {mode}: TTFT p90 quiet {w.ttft_p90['quiet']:.2f} critical "
                 f"{w.ttft_p90['critical']:.2f} noisy {w.ttft_p90['noisy']:.2f}  counts {w.counts}  picker 429s "
                 f"{w.picker_429:.0f}  flow {w.flow}  waiting max {w.waiting_max}  queue at end {w.queue_end:.0f}  "
-                f"disconnected {w.disconnected} (429 first: {w.cut_429})  errors {w.errors}  {w.wall_s:.0f} s",
+                f"served {w.served_per_s:.2f}/s  disconnected {w.disconnected} (429 first: {w.cut_429})  errors {w.errors}  {w.wall_s:.0f} s",
                 flush=True,
             )
     text = (
