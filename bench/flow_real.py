@@ -27,7 +27,8 @@ Per window: each client's TTFT p90 (its requests answered 200) and its 200 / 429
 the picker's own count of what it answered 429 (``kvpick_requests_total{decision="rejected",
 outcome="error_429"}``) and, with flow control on, ``flow_control_requests_total`` by outcome
 (deltas over the window); vLLM's own ``vllm:num_requests_waiting`` sampled every 0.25 s from each
-replica's /metrics (the max over the window); ``flow_control_queue_size`` summed over priorities
+replica's /metrics (the max over the window), and ``vllm:num_requests_running`` (the mean while
+the window sends); ``flow_control_queue_size`` summed over priorities
 at the end. The table: medians over the repeats with [min–max]. Before the windows, one window
 of the quiet and critical clients alone (no flood, through the stack with flow control off): what
 they get unloaded.
@@ -109,15 +110,25 @@ async def _get(http: aiohttp.ClientSession, url: str) -> str:
         return await resp.text()
 
 
-async def sample_waiting(
-    http: aiohttp.ClientSession, urls: Sequence[str], stop: asyncio.Event, peak: list[float]
+Sample = tuple[float, float, float]
+"""Seconds into the window, ``vllm:num_requests_waiting``, ``vllm:num_requests_running``."""
+
+
+async def sample_gauges(
+    http: aiohttp.ClientSession,
+    urls: Sequence[str],
+    stop: asyncio.Event,
+    t0: float,
+    out: list[list[Sample]],
 ) -> None:
-    """``peak[r]``: the most ``vllm:num_requests_waiting`` replica ``r`` reported until ``stop``."""
+    """Every 0.25 s until ``stop``, each replica's waiting and running requests into ``out[r]``."""
     while not stop.is_set():
         for r, u in enumerate(urls):
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                peak[r] = max(
-                    peak[r], metric_sum(await _get(http, u + "/metrics"), "vllm:num_requests_waiting")
+                text = await _get(http, u + "/metrics")
+                waiting = metric_sum(text, "vllm:num_requests_waiting")
+                out[r].append(
+                    (time.perf_counter() - t0, waiting, metric_sum(text, "vllm:num_requests_running"))
                 )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.25)
@@ -133,6 +144,8 @@ class Window:
     """Client → TTFT p90 of its 200s, seconds."""
     waiting_max: list[float] = field(default_factory=list)
     """Per replica, the most ``vllm:num_requests_waiting`` sampled."""
+    running_mean: list[float] = field(default_factory=list)
+    """Per replica, the mean ``vllm:num_requests_running`` sampled while the window sends."""
     picker_429: float = 0.0
     """The picker's own count of 429s answered over the window."""
     flow: dict[str, float] = field(default_factory=dict)
@@ -162,7 +175,7 @@ async def run_window(
     window_s: float,
     seed: int,
     disconnects: int,
-) -> tuple[dict[str, list[loadgen.Outcome]], list[float], list[loadgen.Outcome], str, str]:
+) -> tuple[dict[str, list[loadgen.Outcome]], list[list[Sample]], list[loadgen.Outcome], str, str]:
     """One window's load through ``url``: each client's outcomes, the replicas' peak waiting,
     the outcomes of the clients that gave up, and the picker's metrics page before and after."""
     rng = random.Random(f"flow-real:{seed}")
@@ -178,13 +191,13 @@ async def run_window(
     cut = no_sharing(disconnects, PROMPT_WORDS, OUTPUT_TOKENS, seed=seed * 7 + 5).requests
     outcomes: dict[str, list[loadgen.Outcome]] = {c: [] for c in CLIENTS}
     cut_outs: list[loadgen.Outcome] = []
-    peak = [0.0] * len(replica_urls)
+    samples: list[list[Sample]] = [[] for _ in replica_urls]
     stop = asyncio.Event()
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=300)) as http:
         before = await _get(http, metrics_url)
-        sampler = asyncio.create_task(sample_waiting(http, replica_urls, stop, peak))
         t0 = time.perf_counter()
+        sampler = asyncio.create_task(sample_gauges(http, replica_urls, stop, t0, samples))
 
         async def one(c: str, at: float, req: Req) -> None:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
@@ -208,19 +221,22 @@ async def run_window(
         stop.set()
         await sampler
         after = await _get(http, metrics_url)
-    return outcomes, peak, cut_outs, before, after
+    return outcomes, samples, cut_outs, before, after
 
 
 def summarize(
     mode: str,
     repeat: int,
     outs: dict[str, list[loadgen.Outcome]],
-    peak: list[float],
+    samples: list[list[Sample]],
     cut: list[loadgen.Outcome],
     before: str,
     after: str,
+    window_s: float,
 ) -> Window:
-    w = Window(mode, repeat, waiting_max=peak)
+    w = Window(mode, repeat)
+    w.waiting_max = [max((x[1] for x in ss), default=0.0) for ss in samples]
+    w.running_mean = [statistics.fmean([x[2] for x in ss if x[0] <= window_s] or [0.0]) for ss in samples]
     w.cut_429 = sum(o.status == 429 for o in cut)
     w.disconnected = len(cut) - w.cut_429
     last = 0.0
@@ -265,8 +281,9 @@ def table(ws: list[Window]) -> str:
     lines = [
         "| flow control | quiet TTFT p90 s | critical TTFT p90 s | noisy 200 / 429 / other | quiet 200 / 429 / other "
         "| critical 200 / 429 / other | client 429s = picker's 429s | flow control's 429 outcomes "
-        "| vLLM waiting, max per replica | queue gauge at end (disconnected) | served req/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vLLM waiting, max per replica | vLLM running, mean per replica | queue gauge at end (disconnected) "
+        "| served req/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in ("alone", "on", "off"):
         rs = [w for w in ws if w.mode == mode]
@@ -287,6 +304,7 @@ def table(ws: list[Window]) -> str:
             f"| {agree} ({', '.join(str(x) for x in client_429)}) "
             f"| {', '.join(f'{x:.0f}' for x in flow_429) if mode == 'on' else '—'} "
             f"| {_cell([max(w.waiting_max) for w in rs], '.0f')} "
+            f"| {_cell([statistics.fmean(w.running_mean) for w in rs], '.1f')} "
             f"| {', '.join(f'{w.queue_end:.0f}' for w in rs) if mode == 'on' else '—'} "
             f"({', '.join(str(w.disconnected) for w in rs)}) "
             f"| {_cell([w.served_per_s for w in rs], '.2f')} |"
@@ -354,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                 url, f"http://127.0.0.1:{st.metrics_port}/metrics", fleet.urls, alone, a.window_s, 0, 0
             )
         )
-        windows.append(summarize("alone", 0, *res))
+        windows.append(summarize("alone", 0, *res, a.window_s))
         print(f"[flow-real] alone: TTFT p90 {windows[-1].ttft_p90}  counts {windows[-1].counts}", flush=True)
         for i, mode in enumerate(order):
             url, st = stacks[mode]
@@ -370,12 +388,12 @@ def main(argv: list[str] | None = None) -> int:
                     a.disconnects,
                 )
             )
-            w = summarize(mode, i // 2, *res)
+            w = summarize(mode, i // 2, *res, a.window_s)
             w.wall_s = time.monotonic() - t0
             windows.append(w)
             print(
                 f"[flow-real] window {i} flow control {mode}: TTFT p90 quiet {w.ttft_p90['quiet']:.2f} critical "
-                f"{w.ttft_p90['critical']:.2f} noisy {w.ttft_p90['noisy']:.2f}  counts {w.counts}  picker 429s "
+                f"{w.ttft_p90['critical']:.2f} noisy {w.ttft_p90['noisy']:.2f}  counts {w.counts}  running mean {w.running_mean}  picker 429s "
                 f"{w.picker_429:.0f}  flow {w.flow}  waiting max {w.waiting_max}  queue at end {w.queue_end:.0f}  "
                 f"served {w.served_per_s:.2f}/s  disconnected {w.disconnected} (429 first: {w.cut_429})  errors {w.errors}  {w.wall_s:.0f} s",
                 flush=True,
