@@ -157,7 +157,7 @@ class Window:
     cut_429: int = 0
     """Requests of those clients answered 429 before they gave up."""
     errors: dict[str, int] = field(default_factory=dict)
-    """The ``other`` answers by error (its first 80 characters)."""
+    """The ``other`` answers by error (its first 200 characters, as the load generator keeps it)."""
     served_per_s: float = 0.0
     """Requests answered 200 over the time from the window's start to the last one's end."""
     wall_s: float = 0.0
@@ -249,7 +249,7 @@ def summarize(
             if o.ok:
                 last = max(last, o.sent_at + o.e2e)
             if not (o.status == 429 or (o.status == 200 and o.ok)):
-                w.errors[o.error[:80]] = w.errors.get(o.error[:80], 0) + 1
+                w.errors[o.error] = w.errors.get(o.error, 0) + 1
     w.served_per_s = sum(n["200"] for n in w.counts.values()) / last if last else 0.0
     rej = {"decision": "rejected", "outcome": "error_429"}
     w.picker_429 = metric_sum(after, "kvpick_requests_total", **rej) - metric_sum(
