@@ -28,8 +28,8 @@ the picker's own count of what it answered 429 (``kvpick_requests_total{decision
 outcome="error_429"}``) and, with flow control on, ``flow_control_requests_total`` by outcome
 (deltas over the window); vLLM's own ``vllm:num_requests_waiting`` sampled every 0.25 s from each
 replica's /metrics (the max over the window), and ``vllm:num_requests_running`` (the mean while
-the window sends); ``flow_control_queue_size`` summed over priorities
-at the end. The table: medians over the repeats with [min–max]. Before the windows, one window
+the window sends); ``flow_control_queue_size`` summed over priorities at the end; the 200s per
+second from the window's start to the last one's end. The table: medians over the repeats with [min–max]. Before the windows, one window
 of the quiet and critical clients alone (no flood, through the stack with flow control off): what
 they get unloaded.
 """
