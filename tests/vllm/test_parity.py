@@ -22,29 +22,29 @@ at least 99% within one block.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import pathlib
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 import pytest
-import zmq.asyncio
 
 from kvlaunch import Procs, free_port, post_json
-from picker.core.prefix.precise import PreciseIndex, State, request_keys
+from picker.core.prefix.precise import State, request_keys
 from picker.core.request import ParseOptions, parse
 from picker.core.tokenize import load
 from picker.feeds.events import Subscriber
+from tests.support.events import quiet, subscriber
 from tests.support.parity import LORA, TOOLS_TEMPLATE, Case, corpus
 from tests.support.vllm import vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.precise, pytest.mark.parity, pytest.mark.timeout(600)]
 BS = 32
 KEY = "vllm"
+QUIET_S = 0.05
+"""How long without a KV-event batch counts as the events having gone quiet."""
 N_BODIES = 220
 
 
@@ -94,30 +94,6 @@ def lora_adapter(root: pathlib.Path, model: pathlib.Path) -> pathlib.Path:
     return out
 
 
-@contextlib.asynccontextmanager
-async def subscriber(port: int, replay: int) -> AsyncIterator[Subscriber]:
-    ctx = zmq.asyncio.Context()
-    sub = Subscriber(KEY, PreciseIndex(), f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}", ctx=ctx)
-    task = asyncio.create_task(sub.run())
-    try:
-        yield sub
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        ctx.term()
-
-
-async def quiet(sub: Subscriber, quiet_s: float = 0.05) -> None:
-    """Wait until no KV-event batch arrives for ``quiet_s``."""
-    last = sub.sync.expected
-    while True:
-        await asyncio.sleep(quiet_s)
-        if sub.sync.expected == last:
-            return
-        last = sub.sync.expected
-
-
 async def stored(sub: Subscriber, keys: list[int], timeout_s: float = 5.0) -> None:
     """Wait until the index holds every full block of the prompt just served (vLLM stores them
     all: its KV cache is far larger than the corpus), then for the events to go quiet."""
@@ -125,7 +101,7 @@ async def stored(sub: Subscriber, keys: list[int], timeout_s: float = 5.0) -> No
     deadline = loop.time() + timeout_s
     while keys and sub.index.match_many([KEY], keys, 0.0)[KEY] < len(keys) and loop.time() < deadline:
         await asyncio.sleep(0.01)
-    await quiet(sub)
+    await quiet(sub, QUIET_S)
 
 
 def usage_of(api: str, out: dict[str, Any]) -> tuple[int, int]:
@@ -183,7 +159,7 @@ async def test_parity_on_every_api(tmp_path: pathlib.Path, tiny_model_dir: pathl
             f"{LORA}={adapter}",
         ) as url:
             t_up = time.monotonic()
-            async with subscriber(ev, replay) as sub:
+            async with subscriber(KEY, ev, replay) as sub:
                 await asyncio.sleep(0.5)
                 for case in cases:
                     body = {"model": str(model), **case.body}

@@ -11,28 +11,27 @@ Requests are sent one at a time, each after the previous one's KV events have be
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import pathlib
 import random
 import statistics
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import zmq.asyncio
 
 from kvlaunch import Procs, free_port, post_json
-from picker.core.prefix.precise import PreciseIndex, State, request_keys
+from picker.core.prefix.precise import State, request_keys
 from picker.core.tokenize import load
-from picker.feeds.events import Subscriber
 from picker.feeds.remote_tokenizer import RemoteTokenizer
+from tests.support.events import quiet, subscriber
 from tests.support.vllm import vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.precise, pytest.mark.timeout(600)]
 BS = 32
 KEY = "vllm"
+QUIET_S = 0.2
+"""How long without a KV-event batch counts as the events having gone quiet."""
 TOPICS = ["astronomy", "cooking", "maritime law", "chess openings", "tide tables", "glassblowing"]
 
 
@@ -63,30 +62,6 @@ def workload(n: int, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-@contextlib.asynccontextmanager
-async def subscriber(port: int, replay: int) -> AsyncIterator[Subscriber]:
-    ctx = zmq.asyncio.Context()
-    sub = Subscriber(KEY, PreciseIndex(), f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}", ctx=ctx)
-    task = asyncio.create_task(sub.run())
-    try:
-        yield sub
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        ctx.term()
-
-
-async def quiet(sub: Subscriber, quiet_s: float = 0.2) -> None:
-    """Wait until no KV-event batch arrives for ``quiet_s``."""
-    last = sub.sync.expected
-    while True:
-        await asyncio.sleep(quiet_s)
-        if sub.sync.expected == last:
-            return
-        last = sub.sync.expected
-
-
 async def test_predicted_cached_tokens_match_vllm(
     tmp_path: pathlib.Path, tiny_model_dir: pathlib.Path
 ) -> None:
@@ -114,7 +89,7 @@ async def test_predicted_cached_tokens_match_vllm(
             "--num-gpu-blocks-override",
             "96",
         ) as url:
-            async with subscriber(ev, replay) as sub:
+            async with subscriber(KEY, ev, replay) as sub:
                 removed = 0
                 remove = sub.index.removed
 
@@ -144,7 +119,7 @@ async def test_predicted_cached_tokens_match_vllm(
                     usage = out["usage"]
                     assert usage["prompt_tokens"] == len(ids)
                     rows.append((path, len(ids), predicted, usage["prompt_tokens_details"]["cached_tokens"]))
-                    await quiet(sub)
+                    await quiet(sub, QUIET_S)
                 assert sub.sync.state is State.SYNCED and sub.sync.bad == 0, sub.sync
                 evictions = removed
     finally:
