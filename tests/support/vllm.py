@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from kvlaunch import PY, Procs, free_port, http
 from replica.vllm.tiny import ENV, build_tiny, command
 
-__all__ = ["ENV", "tiny_model", "vllm_server"]
+__all__ = ["ENV", "tiny_model", "vllm_server", "wait_healthy"]
 
 
 def tiny_model(root: pathlib.Path) -> pathlib.Path:
@@ -44,3 +44,20 @@ def vllm_server(
         yield url
     finally:
         procs.stop(name)
+
+
+def wait_healthy(procs: Procs, urls: dict[str, str], timeout: float = 400) -> None:
+    """Wait until every server in ``urls`` (``procs``' child name → base URL) answers 200 on
+    /health; fails (AssertionError, with the child's log) as soon as one exits, or after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    pending = dict(urls)
+    while pending:
+        for name, url in list(pending.items()):
+            proc = next(p for n, p in procs.procs if n == name)
+            assert proc.poll() is None, f"{name} exited {proc.returncode}:\n{procs.log(name)[-3000:]}"
+            with contextlib.suppress(OSError):
+                if http("GET", url + "/health", timeout=2)[0] == 200:
+                    del pending[name]
+        assert time.monotonic() < deadline, f"not healthy: {list(pending)}"
+        time.sleep(1)

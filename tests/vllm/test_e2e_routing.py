@@ -11,7 +11,6 @@ Round-robin alternates replicas, so every pair lands on both and each group is c
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import pathlib
 import random
 import shutil
@@ -24,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvlaunch import PY, Procs, Stack, free_port, http, post_json
 from picker.feeds.scrape import parse_metrics
-from tests.support.vllm import ENV
+from tests.support.vllm import ENV, wait_healthy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.envoy, pytest.mark.timeout(600)]
 
@@ -59,20 +58,6 @@ def start_replica(procs: Procs, model: pathlib.Path, name: str, kv_dir: str) -> 
     args += ["--max-model-len", "2048", "--dtype", "float32"]
     procs.start(name, args, env=ENV)
     return f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(procs: Procs, urls: dict[str, str], timeout: float = 400) -> None:
-    deadline = time.monotonic() + timeout
-    pending = dict(urls)
-    while pending:
-        for name, url in list(pending.items()):
-            proc = next(p for n, p in procs.procs if n == name)
-            assert proc.poll() is None, f"{name} exited {proc.returncode}:\n{procs.log(name)[-3000:]}"
-            with contextlib.suppress(OSError):
-                if http("GET", url + "/health", timeout=2)[0] == 200:
-                    del pending[name]
-        assert time.monotonic() < deadline, f"not healthy: {list(pending)}"
-        time.sleep(1)
 
 
 @pytest.fixture(scope="module")

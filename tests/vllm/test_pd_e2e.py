@@ -28,6 +28,7 @@ import pytest
 from kvlaunch import PY, Procs, Stack, free_port, http, post_json, wait_port
 from picker.feeds.scrape import parse_metrics
 from replica.vllm.tiny import ENV, command, cpu_binding
+from tests.support.vllm import wait_healthy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.envoy, pytest.mark.timeout(600)]
 
@@ -61,20 +62,6 @@ def _delta(before: dict[str, float], after: dict[str, float], name: str) -> floa
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-def _wait_healthy(procs: Procs, urls: dict[str, str], timeout: float = 400) -> None:
-    deadline = time.monotonic() + timeout
-    pending = dict(urls)
-    while pending:
-        for name, url in list(pending.items()):
-            proc = next(p for n, p in procs.procs if n == name)
-            assert proc.poll() is None, f"{name} exited {proc.returncode}:\n{procs.log(name)[-3000:]}"
-            with contextlib.suppress(OSError):
-                if http("GET", url + "/health", timeout=2)[0] == 200:
-                    del pending[name]
-        assert time.monotonic() < deadline, f"not healthy: {list(pending)}"
-        time.sleep(1)
-
-
 @pytest.fixture(scope="module")
 def rig(tiny_model_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     procs = Procs(tmp_path_factory.mktemp("pd-e2e"))
@@ -92,7 +79,7 @@ def rig(tiny_model_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) 
             args = command(tiny_model_dir, port, "--kv-transfer-config", kv_config, python=PY)
             procs.start(name, args, env={**ENV, **cpu_binding(i)})
         urls = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
-        _wait_healthy(procs, urls)
+        wait_healthy(procs, urls)
         sidecar = free_port()
         side = [PY, "-m", "replica.pd_sidecar", "--host", "127.0.0.1", "--port", str(sidecar)]
         wait_port(sidecar, proc=procs.start("sidecar", [*side, "--vllm", urls["decode"]]))
