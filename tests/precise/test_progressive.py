@@ -6,18 +6,16 @@ text sharing any prefix, or cold."""
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from picker.core.tokenize import load
 from picker.core.tokenize.hf import HFPromptTokenizer
-from replica.tinymodel import _corpus
 from tests.support.parity import TOOLS_TEMPLATE
+from tests.support.tokenizer import tokenizer_dir
 
 pytestmark = pytest.mark.precise
 
@@ -41,18 +39,7 @@ PIECES = [
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    out = tmp_path_factory.mktemp("prog")
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(_corpus(600), trainer)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    (out / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
-    return out
+    return tokenizer_dir(tmp_path_factory.mktemp("prog"), TOOLS_TEMPLATE, vocab_size=1024, lines=600)
 
 
 texts = st.lists(st.sampled_from(PIECES), min_size=100, max_size=800).map("".join)

@@ -19,7 +19,6 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from picker.core.config import PrefixConfig, RouterConfig
 from picker.core.endpoints.pool import Pool
@@ -29,6 +28,7 @@ from picker.core.router import Router
 from picker.serving.director import Director
 from replica.tinymodel import _corpus
 from tests.support import picking
+from tests.support.tokenizer import STRING_TEMPLATE, tokenizer_dir
 
 pytestmark = pytest.mark.precise
 BS = 16
@@ -37,21 +37,7 @@ CHAT = "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    out = tmp_path_factory.mktemp("progtok")
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=2048, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(_corpus(1000), trainer)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    (out / "chat_template.jinja").write_text(
-        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
-    )
-    return out
+    return tokenizer_dir(tmp_path_factory.mktemp("progtok"), STRING_TEMPLATE)
 
 
 def director(tok_dir: pathlib.Path, **prefix: Any) -> Director:

@@ -9,12 +9,13 @@ import random
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 from picker.core.tokenize import load
 from picker.core.tokenize.apis import Unrenderable
 from picker.core.tokenize.chat import ChatTemplate
 from replica.tinymodel import _corpus
+from tests.support.tokenizer import STRING_TEMPLATE, tokenizer_dir
 
 pytestmark = pytest.mark.precise
 
@@ -27,27 +28,11 @@ TEMPLATE = (
     "{% if m.tool_calls %}{% for c in m.tool_calls %} call {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}{% endif %}"
     "\n{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}"
 )
-STRING_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    out = tmp_path_factory.mktemp("tok")
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=2048, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(_corpus(1000), trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    (out / "chat_template.jinja").write_text(TEMPLATE)
-    return out
+    return tokenizer_dir(tmp_path_factory.mktemp("tok"), TEMPLATE, add_bos=True)
 
 
 MESSAGES: list[dict[str, Any]] = [
