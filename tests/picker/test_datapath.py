@@ -14,24 +14,12 @@ import time
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvlaunch import Procs, Stack, free_port, http, post_json, stack
+from kvlaunch import Procs, Stack, free_port, post_json, stack
+from tests.support.metrics import extproc_messages
 
 pytestmark = pytest.mark.envoy
 DATA = pathlib.Path(__file__).parent / "data"
-
-
-def _messages(st: Stack) -> dict[str, float]:
-    """The picker's ``kvpick_extproc_messages_total`` by kind."""
-    _, text, _ = http("GET", f"http://127.0.0.1:{st.metrics_port}/metrics")
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text.decode()):
-        if fam.name == "kvpick_extproc_messages":
-            for s in fam.samples:
-                if s.name.endswith("_total"):
-                    out[s.labels["kind"]] = s.value
-    return out
 
 
 def _stream(st: Stack, chunks: int, delay: float = 0.0) -> bytes:
@@ -72,13 +60,13 @@ def _check_stream(events: list[bytes], chunks: int) -> None:
 
 def _four_requests(st: Stack) -> dict[str, float]:
     """Messages by kind for 3 plain requests and 1 streamed one, all answered in full."""
-    before = _messages(st)
+    before = extproc_messages(st)
     for i in range(3):
         status, body = post_json(st.url + "/v1/completions", {"model": "m", "prompt": f"plain {i}"})
         assert status == 200, body
     _check_stream(_events(_stream(st, 40)), 40)
     st.wait_in_flight_zero()  # the end of each request still reached accounting
-    after = _messages(st)
+    after = extproc_messages(st)
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
 
@@ -138,10 +126,12 @@ def test_streamed_response_through_gie_test_config(tmp_path: pathlib.Path) -> No
         while post_json(st.url + "/v1/completions", {"model": "m", "prompt": "w"})[0] != 200:
             assert time.monotonic() < deadline, procs.log("envoy")[-2000:]
             time.sleep(0.3)
-        before = _messages(st).get("response_body", 0.0)
+        before = extproc_messages(st).get("response_body", 0.0)
         _check_stream(_events(_stream(st, 200)), 200)
         st.wait_in_flight_zero()
-        assert _messages(st)["response_body"] > before, "GIE's config streams response bodies via ext_proc"
+        assert extproc_messages(st)["response_body"] > before, (
+            "GIE's config streams response bodies via ext_proc"
+        )
     finally:
         procs.stop()
 
@@ -188,14 +178,14 @@ def test_the_destination_cannot_ride_on_the_body_alone(
         cfg = yaml.safe_load(st.render_envoy())
         _skip_request_headers(cfg, keep_route_header)
         st.start_envoy(config=yaml.safe_dump(cfg))
-        before = _messages(st)
+        before = extproc_messages(st)
         deadline = time.monotonic() + 20
         got = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "one message"})
         while isinstance(got[1], dict) and time.monotonic() < deadline:  # the picker's JSON 503
             time.sleep(0.3)  # until its first scrape; then the answer is Envoy's own
             got = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "one message"})
         assert got == (status, "" if status == 404 else "no healthy upstream"), got
-        after = _messages(st)
+        after = extproc_messages(st)
         assert after.get("request_headers", 0.0) == before.get("request_headers", 0.0), after
     finally:
         procs.stop()

@@ -15,25 +15,14 @@ import time
 
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvlaunch import PY, Procs, Stack, envoy_configs, free_port, http, post_json
+from kvlaunch import PY, Procs, Stack, envoy_configs, free_port, post_json
 from kvlaunch.procs import ROOT
+from tests.support.metrics import extproc_messages
 
 pytestmark = pytest.mark.envoy
 LIMIT = 8 * 1024 * 1024
 """The picker's default --max-body-bytes."""
-
-
-def _messages(st: Stack) -> dict[str, float]:
-    _, text, _ = http("GET", f"http://127.0.0.1:{st.metrics_port}/metrics")
-    return {
-        s.labels["kind"]: s.value
-        for fam in text_string_to_metric_families(text.decode())
-        if fam.name == "kvpick_extproc_messages"
-        for s in fam.samples
-        if s.name.endswith("_total")
-    }
 
 
 def _big_body(salt: str) -> bytes:
@@ -86,10 +75,10 @@ def test_an_8_mib_body_is_routed_whole_and_streamed_where_it_can_be_small_ones_s
 ) -> None:
     st = _stack(tmp_path, name)
     try:
-        before = _messages(st)
+        before = extproc_messages(st)
         status, small = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "small"})
         assert status == 200 and small["dest_header"], small
-        mid = _messages(st)
+        mid = extproc_messages(st)
         assert mid["request_body"] - before["request_body"] == 1, "a small body left BUFFERED mode"
         for chunked in (False, True):
             body = _big_body(f"chunked={chunked} ")
@@ -97,7 +86,7 @@ def test_an_8_mib_body_is_routed_whole_and_streamed_where_it_can_be_small_ones_s
             assert status == 200, (status, got)
             assert got["bytes"] == len(body) and got["sha256"] == hashlib.sha256(body).hexdigest()
             assert got["dest_header"] == f"127.0.0.1:{got['served_by']}", got  # the picker chose
-        after = _messages(st)
+        after = extproc_messages(st)
         bodies = after["request_body"] - mid["request_body"]
         assert bodies > 4 if streamed else bodies == 2, f"{bodies} body messages for two 8 MiB bodies"
         assert after["request_headers"] - mid["request_headers"] == 2

@@ -18,24 +18,12 @@ import json
 import pathlib
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.reliability import slowbody
-from kvlaunch import Stack, http, post_json, stack
+from kvlaunch import http, post_json, stack
+from tests.support.metrics import extproc_messages
 
 pytestmark = [pytest.mark.reliability, pytest.mark.envoy]
-
-
-def _messages(st: Stack) -> dict[str, float]:
-    """The picker's ``kvpick_extproc_messages_total`` by kind (absent kinds: 0)."""
-    _, text, _ = http("GET", f"http://127.0.0.1:{st.metrics_port}/metrics")
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text.decode()):
-        if fam.name == "kvpick_extproc_messages":
-            for s in fam.samples:
-                if s.name.endswith("_total"):
-                    out[s.labels["kind"]] = s.value
-    return out
 
 
 def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -51,7 +39,7 @@ def test_local_replies_open_no_picker_stream(response_headers: str, tmp_path: pa
     with stack(
         tmp_path, picker_args=("--response-headers", response_headers), envoy_args=("--request-timeout", "1s")
     ) as st:
-        before = _messages(st)
+        before = extproc_messages(st)
         status, body, _ = http("POST", st.url + "/reset_prefix_cache", b"{}")
         assert status == 404, body
         many = {f"x-client-{i}": "v" for i in range(120)}
@@ -59,19 +47,19 @@ def test_local_replies_open_no_picker_stream(response_headers: str, tmp_path: pa
         assert status == 431, body
         slow = asyncio.run(slowbody.flood(st.envoy_port, 20, normal=0, hold_s=10, ramp_per_s=200))
         assert dict(slow.slow) == {408: 20}, slow.summary()
-        assert _delta(before, _messages(st)) == {}, "a local reply reached the picker"
+        assert _delta(before, extproc_messages(st)) == {}, "a local reply reached the picker"
 
         # Routed requests keep their response path where the picker asks for it.
         sent = 1 if response_headers == "always" else 0
-        before = _messages(st)
+        before = extproc_messages(st)
         status, doc = post_json(st.url + "/v1/completions", {"model": "m", "prompt": "buffered"})
         assert status == 200, doc
-        got = _delta(before, _messages(st))
+        got = _delta(before, extproc_messages(st))
         assert got.get("request_headers") == 1 and got.get("response_headers", 0) == sent, got
-        before = _messages(st)
+        before = extproc_messages(st)
         status, raw = slowbody.post_chunked(
             st.envoy_port, json.dumps({"model": "m", "prompt": "chunked"}).encode()
         )
         assert status == 200, raw
-        got = _delta(before, _messages(st))
+        got = _delta(before, extproc_messages(st))
         assert got.get("request_headers") == 1 and got.get("response_headers") == 1, got
