@@ -330,20 +330,26 @@ def _header_count_check(limit: int) -> dict[str, Any]:
     }
 
 
-def _too_many_headers_reply() -> dict[str, Any]:
-    """Any other 431 of Envoy's in the same JSON shape as the Lua check's."""
-    error = {
-        "message": "request has too many headers",
-        "type": "request_header_fields_too_large",
-        "code": 431,
-    }
-    status = {
-        "comparison": {"op": "EQ", "value": {"default_value": 431, "runtime_key": "kvpick.too_many_headers"}}
+def _json_reply(status: int, type_: str, message: str, runtime_key: str) -> dict[str, Any]:
+    """A local-reply mapper: every reply of Envoy's own with HTTP ``status`` gets the picker's JSON
+    error body, ``{"error": {"message": message, "type": type_, "code": status}}``, so a client sees
+    one error shape whichever of the two answered. ``runtime_key``: the runtime key Envoy requires
+    on the status comparison's value (``status`` is its default)."""
+    error = {"message": message, "type": type_, "code": status}
+    status_filter = {
+        "comparison": {"op": "EQ", "value": {"default_value": status, "runtime_key": runtime_key}}
     }
     return {
-        "filter": {"status_code_filter": status},
+        "filter": {"status_code_filter": status_filter},
         "body_format_override": {"json_format": {"error": error}, "content_type": "application/json"},
     }
+
+
+def _too_many_headers_reply() -> dict[str, Any]:
+    """Any other 431 of Envoy's in the same JSON shape as the Lua check's."""
+    return _json_reply(
+        431, "request_header_fields_too_large", "request has too many headers", "kvpick.too_many_headers"
+    )
 
 
 def _report_served() -> list[dict[str, Any]]:
@@ -787,18 +793,7 @@ def _no_body_buffer() -> dict[str, Any]:
 
 def _slow_request_reply() -> dict[str, Any]:
     """Envoy's 408 (the request timeout fired before the request was whole) as JSON."""
-    error = {
-        "message": "request not received in time",
-        "type": "request_timeout",
-        "code": 408,
-    }
-    status = {
-        "comparison": {"op": "EQ", "value": {"default_value": 408, "runtime_key": "kvpick.slow_request"}}
-    }
-    return {
-        "filter": {"status_code_filter": status},
-        "body_format_override": {"json_format": {"error": error}, "content_type": "application/json"},
-    }
+    return _json_reply(408, "request_timeout", "request not received in time", "kvpick.slow_request")
 
 
 def _overload_manager(max_connections: int, max_heap_bytes: int) -> dict[str, Any]:
@@ -839,20 +834,9 @@ def _overload_manager(max_connections: int, max_heap_bytes: int) -> dict[str, An
 def _too_large_reply(max_body_bytes: int) -> dict[str, Any]:
     """Envoy's own 413 (a BUFFERED body past the listener's buffer limit) in the picker's JSON error
     format, so a client sees one error shape whichever of the two refused the body."""
-    error = {
-        "message": f"request body exceeds {max_body_bytes} bytes",
-        "type": "request_too_large",
-        "code": 413,
-    }
-    status = {"comparison": {"op": "EQ", "value": {"default_value": 413, "runtime_key": "kvpick.too_large"}}}
-    return {
-        "mappers": [
-            {
-                "filter": {"status_code_filter": status},
-                "body_format_override": {"json_format": {"error": error}, "content_type": "application/json"},
-            }
-        ]
-    }
+    return _json_reply(
+        413, "request_too_large", f"request body exceeds {max_body_bytes} bytes", "kvpick.too_large"
+    )
 
 
 _EXT_PROC_FIELDS = (
@@ -930,8 +914,9 @@ def _hcm(
     body_buffer: int = 0,
 ) -> dict[str, Any]:
     """The connection manager; ``body_buffer`` > 0 puts the buffer filter (that many bytes) before ext_proc."""
-    local_reply = _too_large_reply(max_body_bytes)
-    local_reply["mappers"] += [_too_many_headers_reply(), _slow_request_reply()]
+    local_reply = {
+        "mappers": [_too_large_reply(max_body_bytes), _too_many_headers_reply(), _slow_request_reply()]
+    }
     hcm: dict[str, Any] = {
         "@type": _T + "filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "kvpick",
