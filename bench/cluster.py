@@ -770,6 +770,18 @@ def simulate(
     )
 
 
+def drift_text(
+    over_admitted: int, admitted: int, saturated: Sequence[float], disagree: float, unheard_max: int
+) -> str:
+    """The drift measures of a flow-controlled run over several pickers (:class:`Result`'s
+    ``over_admitted`` … ``unheard_max``), as one line of text."""
+    return (
+        f"over-admitted {over_admitted} of {admitted} dispatched; "
+        f"saturated {' '.join(f'{x:.3f}' for x in saturated)} (per picker); "
+        f"disagree {disagree:.3f}; unheard picks max {unheard_max}"
+    )
+
+
 def scale_outputs(row: trace.Row, k: float) -> trace.Row:
     """``row`` with its output length times ``k`` (rounded, at least 1 token)."""
     return dataclasses.replace(row, output_length=max(1, round(row.output_length * k)))
@@ -956,9 +968,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if r.flow_control and r.pickers > 1:
             print(
-                f"drift {r.share or '-'}: over-admitted {r.over_admitted} of {r.admitted} dispatched; "
-                f"saturated {' '.join(f'{x:.3f}' for x in r.saturated)} (per picker); "
-                f"disagree {r.disagree:.3f}; unheard picks max {r.unheard_max}"
+                f"drift {r.share or '-'}: "
+                + drift_text(r.over_admitted, r.admitted, r.saturated, r.disagree, r.unheard_max)
             )
     if results:
         r = results[0]

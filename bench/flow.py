@@ -33,7 +33,7 @@ from replica.sim.scheduler import SchedulerConfig
 
 from . import ceilings
 from . import mooncake_trace as trace
-from .cluster import Cluster, Tag
+from .cluster import Cluster, Tag, drift_text
 
 SLOS = (1.0, 2.0, 10.0)
 """TTFT objectives for goodput, seconds: the H100 8B SLO (2 s), half and five times it."""
@@ -353,8 +353,8 @@ def cmd_pickers(rows: Sequence[trace.Row], a: argparse.Namespace) -> list[dict[s
                 print(
                     f"{s['load']:>5} pickers {n} {sh:<9} good2 {s['goodput_2s']:6.2f}"
                     f" p90 {s['ttft_p90']:6.2f} shed {s['shed']:4d} hit {s['hit_rate']:.3f}"
-                    f" over {c.over_admitted}/{c.admitted} sat {' '.join(f'{v:.3f}' for v in sat)}"
-                    f" disagree {s['disagree']:.3f} unheard {c.unheard_max} wall {s['wall_s']:4.0f}",
+                    f" {drift_text(c.over_admitted, c.admitted, sat, s['disagree'], c.unheard_max)}"
+                    f" wall {s['wall_s']:4.0f}",
                     flush=True,
                 )
     return out
