@@ -25,6 +25,7 @@ from picker.core.prefix.precise import PreciseIndex, State, request_keys
 from picker.feeds.events import Subscriber
 from replica.sim.blocks import chain_hashes
 from tests.sim.test_kv_events import MODEL, Replay, ids
+from tests.support.events import subscriber
 
 pytestmark = pytest.mark.precise
 BS = 16
@@ -68,18 +69,9 @@ async def sim(tmp_path: pathlib.Path, blocks: int = 24) -> AsyncIterator[Sim]:
 
 @contextlib.asynccontextmanager
 async def subscribed(s: Sim, replay: bool = True, refill_s: float = 30.0) -> AsyncIterator[Subscriber]:
-    ctx = zmq.asyncio.Context()
-    replay_url = f"tcp://127.0.0.1:{s.replay_port}" if replay else None
-    sub = Subscriber(KEY, PreciseIndex(), f"tcp://127.0.0.1:{s.ev_port}", replay_url, "", refill_s, ctx)
-    task = asyncio.create_task(sub.run())
-    await asyncio.sleep(0.5)  # slow joiner: the subscription reaches the publisher
-    try:
+    async with subscriber(KEY, s.ev_port, s.replay_port if replay else None, refill_s) as sub:
+        await asyncio.sleep(0.5)  # slow joiner: the subscription reaches the publisher
         yield sub
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        ctx.term()
 
 
 async def settle(sub: Subscriber, messages: int, timeout: float = 10.0) -> None:

@@ -14,12 +14,16 @@ from picker.feeds.events import Subscriber
 
 
 @contextlib.asynccontextmanager
-async def subscriber(key: str, port: int, replay: int) -> AsyncIterator[Subscriber]:
+async def subscriber(
+    key: str, port: int, replay: int | None, refill_s: float = 30.0
+) -> AsyncIterator[Subscriber]:
     """A subscriber for endpoint ``key`` into a fresh :class:`PreciseIndex`, reading the publisher
-    on ``port`` and its replay socket on ``replay`` (both 127.0.0.1), in its own ZMQ context;
-    its task is cancelled and the context closed on exit."""
+    on ``port`` and its replay socket on ``replay`` (both 127.0.0.1; ``replay`` None: none), all
+    topics, ``refill_s`` as :class:`Subscriber`'s, in its own ZMQ context; its task is cancelled
+    and the context closed on exit."""
     ctx = zmq.asyncio.Context()
-    sub = Subscriber(key, PreciseIndex(), f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}", ctx=ctx)
+    replay_url = f"tcp://127.0.0.1:{replay}" if replay is not None else None
+    sub = Subscriber(key, PreciseIndex(), f"tcp://127.0.0.1:{port}", replay_url, "", refill_s, ctx)
     task = asyncio.create_task(sub.run())
     try:
         yield sub
