@@ -4,6 +4,8 @@ off and metrics stay on 9090. The NetworkPolicy is evaluated here the way Kubern
 
 from __future__ import annotations
 
+import importlib.util
+from types import ModuleType
 from typing import Any
 
 import helm_python
@@ -175,14 +177,18 @@ def test_values_say_what_two_pickers_do() -> None:
     assert "agree" in text and "active-active" in text
 
 
-INFERENCE_PATHS = [
-    "/v1/completions",
-    "/v1/chat/completions",
-    "/v1/responses",
-    "/v1/messages",
-    "/v1/embeddings",
-    "/v1/models",
-]
+def _render_module() -> ModuleType:
+    """deploy/envoy/render.py (a script, not a package), loaded by path."""
+    path = CHART.parents[1] / "deploy" / "envoy" / "render.py"
+    spec = importlib.util.spec_from_file_location("kvpick_envoy_render", path)
+    assert spec is not None and spec.loader is not None, f"cannot load {path}"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+INFERENCE_PATHS = list(_render_module().INFERENCE_PATHS)
+"""render.py's ``--allowed-paths`` default, which the chart's ``httpRoute.paths`` default repeats."""
 
 
 def _route_paths(values: dict[str, Any]) -> list[tuple[str, str]]:
