@@ -272,6 +272,7 @@ class Cluster:
                     self._dispatch,
                     self._shed,
                     self._local(r),
+                    self._choose(r),
                 )
                 fc.queue.keep_waits = True
                 self.flows[id(r)] = fc
@@ -336,11 +337,21 @@ class Cluster:
         self._push(self.now + step.duration, "step", (rep, step))
 
     @staticmethod
-    def _local(router: Router) -> Callable[[Item[Queued], EndpointState], bool]:
-        def local(item: Item[Queued], e: EndpointState) -> bool:
-            return router.cached_blocks(e.key, item.hashes) > 0
+    def _local(router: Router) -> Callable[[Item[Queued], EndpointState], int]:
+        def local(item: Item[Queued], e: EndpointState) -> int:
+            return router.cached_blocks(e.key, item.hashes)
 
         return local
+
+    @staticmethod
+    def _choose(router: Router) -> Callable[[Item[Queued]], str | None]:
+        def choose(item: Item[Queued]) -> str | None:
+            try:
+                return router.route(item.payload[1], commit=False).primary.key
+            except PickerError:
+                return None
+
+        return choose
 
     @staticmethod
     def _routable(router: Router) -> Callable[[], list[Any]]:
@@ -391,7 +402,7 @@ class Cluster:
             self.admitted += 1
             if len(self.pickers) > 1:
                 self.over_admitted += not self._true_room(item.payload[0])
-        self._send(*item.payload)
+        self._send(*item.payload, subset=item.room)
 
     # -- the peer channel (share ``peers``), as picker.feeds.peers sends it ------------------------
     @staticmethod
@@ -496,10 +507,17 @@ class Cluster:
             self._push(t, "flow", None)
 
     def _send(
-        self, router: Router, ir: InferenceRequest, row: trace.Row, rec: Record, toks: list[int]
+        self,
+        router: Router,
+        ir: InferenceRequest,
+        row: trace.Row,
+        rec: Record,
+        toks: list[int],
+        subset: frozenset[str] | None = None,
     ) -> None:
+        """Route and start ``ir``; ``subset``: the endpoints flow control binds it to (None: any)."""
         try:
-            decision = router.route(ir)
+            decision = router.route(ir, subset=subset)
             self._agreement(router, ir, decision.primary.key)
         except PickerError:
             self.errors += 1

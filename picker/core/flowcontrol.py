@@ -93,6 +93,10 @@ class Outcome(enum.Enum):
         self.label, self.status = label, status
 
 
+WINDOW_MAX = 64
+"""The most requests of one flow :meth:`FlowQueue.pop` looks at for locality (a CPU bound: the
+window is set by ``locality_slack``; with ``fairness: requests`` the slack counts requests)."""
+
 PREDICTED_MISS = "predicted_slo_miss"
 """Counted (with the outcome) for a request that may not be shed whose TTFT objective the model
 predicts it misses."""
@@ -155,6 +159,13 @@ class Item(Generic[P]):
     seq: int = 0
     queued: bool = False
     outcome: Outcome | None = None
+    overtaken: float = 0.0
+    """Units dispatched out of deadline order ahead of it from its own flow (the locality
+    window's bound, :meth:`FlowQueue.pop`)."""
+    room: frozenset[str] | None = None
+    """Set by :meth:`FlowController.pump` before ``dispatch``: the endpoints (keys) the request
+    may be bound to, those with room; None: any routable endpoint (every one had room, or the
+    request is sent on without room: a TTL, a full band, a drain)."""
 
     @property
     def sheddable(self) -> bool:
@@ -222,6 +233,13 @@ class FlowQueue(Generic[P]):
                 if f.n:
                     yield prio, name, f.n
 
+    def top_band(self) -> int | None:
+        """The highest band with a request queued (None: empty)."""
+        for prio in self._order:
+            if self._bands[prio].requests:
+                return prio
+        return None
+
     def tokens_at_or_above(self, band: int) -> int:
         """Prompt tokens queued in ``band`` and every higher band."""
         return sum(b.tokens for p, b in self._bands.items() if p >= band)
@@ -285,12 +303,21 @@ class FlowQueue(Generic[P]):
         return True
 
     def pop(
-        self, now: float, local: Callable[[Item[P]], bool] | None = None, finish: bool = True
+        self,
+        now: float,
+        local: Callable[[Item[P]], int] | None = None,
+        finish: bool = True,
+        accept: Callable[[Item[P]], bool] | None = None,
     ) -> Item[P] | None:
         """The next request to dispatch (counted ``dispatched``, unless ``finish`` is false: then
-        out of the queue, its outcome the caller's to :meth:`finish`): the highest band's due
-        flow, or within ``locality_slack`` of it one whose head ``local`` says is cached on the
-        endpoint that freed; that flow's earliest deadline. None when empty."""
+        out of the queue, its outcome the caller's to :meth:`finish`), from the highest band with
+        a request queued. Without ``local``: the due flow's earliest deadline. With ``local``
+        (the prompt blocks cached where the request can be bound now): among the flows within
+        ``locality_slack`` of the least served, and within each flow its locality window (the
+        requests in deadline order until ``locality_slack`` units, stopping at one already
+        overtaken by that much), the one with the most cached blocks; ties to the least served
+        flow, then the earlier request; with ``accept``, the first in that order it accepts
+        (the request whose own best endpoint has room). None when empty or none is accepted."""
         for prio in self._order:
             band = self._bands[prio]
             if band.requests == 0:
@@ -299,29 +326,47 @@ class FlowQueue(Generic[P]):
             least = min(f.served for f, _ in heads)
             most = max(f.served for f, _ in heads)
             self.max_skew = max(self.max_skew, most - least)
-            limit = least + self.cfg.locality_slack
-            best: tuple[_Flow[P], Item[P]] | None = None
+            slack = self.cfg.locality_slack
+            limit = least + slack
+            cands: list[tuple[tuple[int, float, int], _Flow[P], Item[P], list[Item[P]]]] = []
             for f, h in heads:
                 if f.served > limit:
                     continue
-                if best is None:
-                    best = (f, h)
+                look = slack > 0 and (local is not None or accept is not None)
+                window = self._window(f, slack) if look else [h]
+                for pos, item in enumerate(window):
+                    key = (-local(item) if local is not None else 0, f.served, item.seq)
+                    cands.append((key, f, item, window[:pos]))
+            assert cands, "a backlogged band with no due flow"
+            cands.sort(key=lambda c: c[0])
+            for _, flow, item, passed in cands:
+                if accept is not None and not accept(item):
                     continue
-                # local first (within the slack), then least served, then oldest head
-                key = (local is not None and not local(h), f.served, h.seq)
-                bkey = (local is not None and not local(best[1]), best[0].served, best[1].seq)
-                if key < bkey:
-                    best = (f, h)
-            assert best is not None, "a backlogged band with no due flow"
-            flow, item = best
-            band.vtime = flow.served
-            flow.served += item.cost
-            if finish:
-                self.finish(item, Outcome.DISPATCHED, now)
-            else:
-                self._take(item)
-            return item
+                for p in passed:  # overtaken within its own flow: bounded by the slack
+                    p.overtaken += item.cost
+                band.vtime = flow.served
+                flow.served += item.cost
+                if finish:
+                    self.finish(item, Outcome.DISPATCHED, now)
+                else:
+                    self._take(item)
+                return item
+            return None
         return None
+
+    @staticmethod
+    def _window(flow: _Flow[P], slack: float) -> list[Item[P]]:
+        """``flow``'s requests in deadline order while the units ahead of each stay under
+        ``slack`` (the first always; at most :data:`WINDOW_MAX` looked at), up to and including
+        the first request already overtaken by ``slack`` units: it goes before any later one."""
+        out: list[Item[P]] = []
+        for _, _, item in heapq.nsmallest(WINDOW_MAX, flow.heap):
+            if not item.queued:
+                continue
+            out.append(item)
+            if item.overtaken >= slack:
+                break
+        return out
 
     def expired(self, now: float, pool_empty: bool) -> Iterator[Item[P]]:
         """Queued requests past their TTL (``ttl_s``, or ``empty_pool_ttl_s`` while the pool is
@@ -389,6 +434,12 @@ def has_room(e: EndpointState) -> bool:
     return queued < u + (model.step_base_s + model.step_per_seq_s * batch) * model.prefill_rate
 
 
+def starts_now(e: EndpointState) -> bool:
+    """``queue_s(e) < step_s(e)``: a request sent now starts within the engine step it joins
+    (nothing committed ahead of it beyond that step's worth of prefill)."""
+    return queue_s(e) < e.model.step_s(running(e))
+
+
 def freest(endpoints: Iterable[EndpointState]) -> EndpointState | None:
     """The endpoint with room whose queue is shortest (None: the pool is saturated)."""
     best: EndpointState | None = None
@@ -407,8 +458,18 @@ def next_room_at(endpoints: Iterable[EndpointState]) -> float | None:
     return min(due) if due else None
 
 
-def _local_on(local: Callable[[Item[P], EndpointState], bool], free: EndpointState, item: Item[P]) -> bool:
-    return local(item, free)
+def _cached_on(
+    local: Callable[[Item[P], EndpointState], int], room: list[EndpointState], item: Item[P]
+) -> int:
+    """The most prompt blocks of ``item`` cached on one of the endpoints it can be bound to."""
+    return max(local(item, e) for e in room)
+
+
+def _wants(choose: Callable[[Item[P]], str | None], keys: frozenset[str], item: Item[P]) -> bool:
+    """``item``'s best endpoint by the normal policy has room (or it cannot be routed)."""
+    key = choose(item)
+    item.room = None if key is None else frozenset((key,))
+    return key is None or key in keys
 
 
 @dataclass
@@ -437,11 +498,28 @@ class FlowController(Generic[P]):
         endpoints: Callable[[], list[EndpointState]],
         dispatch: Callable[[Item[P]], None],
         reject: Callable[[Item[P]], None],
-        local: Callable[[Item[P], EndpointState], bool] | None = None,
+        local: Callable[[Item[P], EndpointState], int] | None = None,
+        choose: Callable[[Item[P]], str | None] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.choose = choose
+        """The normal policy's endpoint for a request, over every routable endpoint, committing
+        nothing (None: it cannot be routed; dispatch answers it). None: bind to any with room."""
         self.queue: FlowQueue[P] = FlowQueue(cfg)
         self.endpoints, self.dispatch, self.reject, self.local = endpoints, dispatch, reject, local
+        self._need: dict[int, int] = {}
+        """Band → endpoints with room it needs to be dispatched: one plus the bands above it
+        seen so far (the reservation, module docstring). Writer: :meth:`_see`."""
+
+    def _see(self, band: int) -> int:
+        """The endpoints with room ``band`` needs; a band not seen before joins the ranks."""
+        need = self._need.get(band)
+        if need is None:
+            self._need[band] = 0
+            ranked = sorted(self._need, reverse=True)
+            self._need = {b: i + 1 for i, b in enumerate(ranked)}
+            need = self._need[band]
+        return need
 
     def item(
         self,
@@ -486,6 +564,7 @@ class FlowController(Generic[P]):
         dispatched before this returns: ``item.outcome``). ``predicted_ttft_s``: the best
         endpoint's TTFT estimate now (only needed with a TTFT objective)."""
         q = self.queue
+        self._see(item.band)
         if item.slo_s > 0 and predicted_ttft_s is not None:
             endpoints = self.endpoints()
             behind = self.predicted_wait_s(item.band, endpoints) if len(q) else 0.0
@@ -494,6 +573,13 @@ class FlowController(Generic[P]):
                     q.finish(item, Outcome.SHED_SLO, now)
                     return Admission(item, Outcome.SHED_SLO, self.retry_after(item.band))
                 q.count(item, PREDICTED_MISS)
+        if not len(q):
+            at_once = self._at_once(item.band, self.endpoints())
+            if at_once is not False:
+                q.finish(item, Outcome.DISPATCHED, now)
+                item.room = None if at_once is True else at_once
+                self.dispatch(item)
+                return Admission(item, None)
         if not q.push(item, now):
             if item.sheddable:
                 q.finish(item, Outcome.REJECTED_FULL, now)
@@ -504,18 +590,43 @@ class FlowController(Generic[P]):
         self.pump(now)
         return Admission(item, None)
 
-    def pass_through(self, band: int, endpoints: Iterable[EndpointState]) -> bool:
-        """The fast path of a request without a TTFT objective: True (counted ``dispatched``,
-        wait 0; the caller routes it now) when nothing is queued and one of ``endpoints`` has
-        room, as :meth:`offer` would have dispatched it at once; else False (the caller offers
-        it). ``endpoints`` need not have had their predicted prefill ends expired: a stale
-        pending prefill only sends the request the slow way, whose pump expires them."""
+    def pass_through(self, band: int, endpoints: Sequence[EndpointState]) -> bool | frozenset[str]:
+        """The fast path of a request without a TTFT objective, as :meth:`offer` would have
+        dispatched it at once: nothing is queued and at least :meth:`need` of ``endpoints`` have
+        room. False: the caller offers it. Else it is counted ``dispatched`` (wait 0) and the
+        caller routes it now: anywhere (True) when every endpoint has room, else only to those
+        with room (their keys). ``endpoints`` need not have had their predicted prefill ends
+        expired: a stale pending prefill only sends the request the slow way, whose pump
+        expires them."""
         q = self.queue
-        if len(q) or not any(map(has_room, endpoints)):
+        if len(q):
+            self._see(band)
             return False
-        key = (band, Outcome.DISPATCHED.label)
-        q.counts[key] = q.counts.get(key, 0) + 1
-        return True
+        room = self._at_once(band, endpoints)
+        if room is not False:
+            key = (band, Outcome.DISPATCHED.label)
+            q.counts[key] = q.counts.get(key, 0) + 1
+        return room
+
+    def room(self, band: int, endpoints: Sequence[EndpointState]) -> list[EndpointState]:
+        """The endpoints ``band`` may be bound to now: those with room (``has_room``) for the
+        highest band seen; for a band with ``k`` bands above it, those that would start it at
+        once (``starts_now``), and none unless more than ``k`` of them do (one kept for each
+        band above; with fewer endpoints than that, every one)."""
+        need = self._see(band)
+        if need == 1:
+            return [e for e in endpoints if has_room(e)]
+        room = [e for e in endpoints if starts_now(e)]
+        return room if len(room) >= min(need, len(endpoints)) else []
+
+    def _at_once(self, band: int, endpoints: Sequence[EndpointState]) -> bool | frozenset[str]:
+        """Nothing queued: may a request of ``band`` go now, and where? False: no; True: by
+        the normal policy anywhere (the highest band, some endpoint with room); else only to
+        these endpoints."""
+        if self._see(band) == 1:
+            return any(map(has_room, endpoints))
+        room = self.room(band, endpoints)
+        return frozenset(e.key for e in room) if room else False
 
     def cancel(self, item: Item[P], now: float) -> bool:
         """The client went away: out of the queue at once. False when it was not queued."""
@@ -540,11 +651,18 @@ class FlowController(Generic[P]):
                 self.dispatch(item)
         sent = 0
         while len(q):
-            free = freest(endpoints)
-            if free is None:
+            top = q.top_band()
+            room = self.room(top, endpoints) if top is not None else []
+            if not room:
                 break
-            local = self.local
-            nxt = q.pop(now, functools.partial(_local_on, local, free) if local is not None else None, False)
+            local, choose = self.local, self.choose
+            keys = frozenset(e.key for e in room)
+            nxt = q.pop(
+                now,
+                functools.partial(_cached_on, local, room) if local is not None else None,
+                False,
+                functools.partial(_wants, choose, keys) if choose is not None else None,
+            )
             if nxt is None:
                 break
             if nxt.sheddable and nxt.slo_s > 0 and now > nxt.deadline:  # missed already: shed
@@ -552,6 +670,8 @@ class FlowController(Generic[P]):
                 self.reject(nxt)
                 continue
             q.finish(nxt, Outcome.DISPATCHED, now)
+            if choose is None:
+                nxt.room = keys
             self.dispatch(nxt)
             sent += 1
         return sent

@@ -543,8 +543,11 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if gate is not None and ex.size:
             parsed = ex.parsed if ex.parsed is not None else self.director.parse(ex.chunks, ex.headers)
             ex.parsed = parsed
-            if not gate.pass_through(parsed[0]):
+            room = gate.pass_through(parsed[0], ex.subset)
+            if room is False:
                 ex.held = await gate.admit(parsed, ex.subset, ex.size, write)
+            else:  # routed now, bound to the endpoints with room (None: anywhere)
+                ex.subset = room
         return result
 
     async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:

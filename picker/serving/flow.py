@@ -30,6 +30,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
+from typing import Literal
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import duration_pb2
@@ -112,8 +113,8 @@ class FlowGate:
         self.router.accounting.expire(c)
         return c
 
-    def _local(self, item: Item[Held], e: EndpointState) -> bool:
-        return self.router.cached_blocks(e.key, item.hashes) > 0
+    def _local(self, item: Item[Held], e: EndpointState) -> int:
+        return self.router.cached_blocks(e.key, item.hashes)
 
     def _observe(self, item: Item[Held]) -> None:
         if self._waits is not None and item.outcome is not None:
@@ -124,8 +125,11 @@ class FlowGate:
         self._observe(item)
         if held.future.done():  # its client went away in this very turn of the loop
             return
+        subset = held.subset
+        if item.room is not None:  # bound to the endpoints with room (within the gateway's subset)
+            subset = item.room if subset is None else (item.room & frozenset(subset)) or subset
         try:
-            held.future.set_result(self.director.pick(held.parsed, held.subset))
+            held.future.set_result(self.director.pick(held.parsed, subset))
         except PickerError as err:
             held.future.set_exception(err)
 
@@ -137,15 +141,23 @@ class FlowGate:
             item.payload.future.set_exception(err)
 
     # -- the exchange's side ----------------------------------------------------------------------
-    def pass_through(self, req: InferenceRequest) -> bool:
-        """The fast path, True: nothing is queued, the pool has room and ``req`` has no TTFT
-        objective to judge; the caller routes it as usual (counted ``dispatched``, not observed
-        in the wait histogram). False: :meth:`admit` it."""
+    def pass_through(
+        self, req: InferenceRequest, subset: frozenset[str] | None = None
+    ) -> Literal[False] | frozenset[str] | None:
+        """The fast path. False: :meth:`admit` the request. Otherwise nothing is queued, the pool
+        has room for its band and it has no TTFT objective to judge: the caller routes it now
+        (counted ``dispatched``, not observed in the wait histogram) within the subset returned,
+        the endpoints with room (None: the gateway's ``subset``, or anywhere, every endpoint
+        having room)."""
         if req.slo_ttft_ms > 0:
             return False
-        return self.fc.pass_through(
-            self.router.objectives.priority(req.objective), self.router.pool.routable()
-        )
+        endpoints = self.router.pool.routable()
+        if subset is not None:
+            endpoints = [e for e in endpoints if e.key in subset]
+        room = self.fc.pass_through(self.router.objectives.priority(req.objective), endpoints)
+        if room is False:
+            return False
+        return subset if room is True else room
 
     async def admit(
         self,

@@ -319,3 +319,98 @@ def test_has_room_is_queue_s_under_typical_s() -> None:
         e.peer_load.pending_prefill_tokens = rng.randint(0, 5000)
         e.model.uncached_per_request = rng.uniform(100, 8000)
         assert has_room(e) == (queue_s(e) < typical_s(e))
+
+
+def busy(e: EndpointState, busy: bool) -> None:
+    e.load.pending_prefill_tokens = int(10 * e.model.uncached_per_request) if busy else 0
+
+
+def test_a_dispatch_is_bound_to_an_endpoint_with_room() -> None:
+    """The pump never sends a queued request to an endpoint without room (an unbound pick could
+    land on a saturated endpoint and leave the room open for the next, without end)."""
+    pool = Pool(3)
+    pool.saturate(True)
+    bound: list[frozenset[str] | None] = []
+    fc: FlowController[str] = FlowController(
+        FlowControlConfig(), pool.routable, lambda i: bound.append(i.room), lambda i: None
+    )
+    for n in "abc":
+        fc.offer(fc.item(n, 0, "", 100, 10, 0.0), 0.0)
+    busy(pool.states[1], False)
+    fc.pump(1.0)
+    assert bound and all(b == frozenset({pool.states[1].key}) for b in bound)
+
+
+def test_a_request_waits_for_its_own_endpoint_while_another_goes() -> None:
+    """With the normal policy's choice (``choose``), a request whose best endpoint has no room
+    stays queued; one behind it whose best endpoint has room goes, bound there."""
+    pool = Pool(2)
+    pool.saturate(True)
+    a, b = pool.states
+    want = {"x": a.key, "y": b.key}
+    sent: list[tuple[str, frozenset[str] | None]] = []
+    fc: FlowController[str] = FlowController(
+        FlowControlConfig(),
+        pool.routable,
+        lambda i: sent.append((i.payload, i.room)),
+        lambda i: None,
+        choose=lambda i: want[i.payload],
+    )
+    fc.offer(fc.item("x", 0, "", 100, 10, 0.0), 0.0)
+    fc.offer(fc.item("y", 0, "", 100, 10, 0.0), 0.0)
+    busy(b, False)
+    fc.pump(1.0)
+    assert sent == [("y", frozenset({b.key}))] and len(fc.queue) == 1
+    busy(a, False)
+    fc.pump(2.0)
+    assert sent[-1] == ("x", frozenset({a.key}))
+
+
+def test_a_lower_band_leaves_an_endpoint_that_starts_at_once_for_each_band_above() -> None:
+    pool = Pool(3)
+    sent: list[str] = []
+    fc: FlowController[str] = FlowController(
+        FlowControlConfig(), pool.routable, lambda i: sent.append(i.payload), lambda i: None
+    )
+    fc.offer(fc.item("critical", 10, "", 100, 10, 0.0), 0.0)  # band 10 seen: band -1 now ranks 2nd
+    assert sent == ["critical"]
+    for e in pool.states[:2]:
+        busy(e, True)
+    assert fc.offer(fc.item("batch", -1, "", 100, 10, 1.0), 1.0).outcome is None
+    assert sent == ["critical"]  # one endpoint starts at once: kept for the band above
+    fc.offer(fc.item("critical2", 10, "", 100, 10, 2.0), 2.0)
+    assert sent == ["critical", "critical2"]
+    busy(pool.states[1], False)
+    fc.pump(3.0)
+    assert sent[-1] == "batch"
+    one = Pool(1)  # fewer endpoints than bands: the lower band is not starved
+    fc1, sent1, _ = controller(one, FlowControlConfig())
+    fc1.offer(fc1.item("critical", 10, "", 100, 10, 0.0), 0.0)
+    fc1.offer(fc1.item("batch", -1, "", 100, 10, 0.0), 0.0)
+    assert sent1 == ["critical", "batch"]
+
+
+def test_locality_window_within_a_flow_and_its_bound() -> None:
+    """A request cached where it can go overtakes earlier ones of its own flow, each overtaken
+    by at most ``locality_slack`` units (then it goes before any later one)."""
+    pool = Pool(1)
+    pool.saturate(True)
+    sent: list[str] = []
+
+    def dispatch(i: Item[str]) -> None:
+        sent.append(i.payload)
+        pool.saturate(True)
+
+    fc: FlowController[str] = FlowController(
+        FlowControlConfig(locality_slack=150),
+        pool.routable,
+        dispatch,
+        lambda i: None,
+        local=lambda i, e: 4 if i.payload.startswith("hit") else 0,
+    )
+    for n in ["miss", "hit1", "hit2", "hit3"]:
+        fc.offer(fc.item(n, 0, "", 100, 10, 0.0), 0.0)
+    for t in range(4):
+        pool.saturate(False)
+        fc.pump(1.0 + t)
+    assert sent == ["hit1", "hit2", "miss", "hit3"]
