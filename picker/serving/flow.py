@@ -3,7 +3,10 @@
 While the pool is saturated a request's ext_proc stream is held unanswered once its body is
 whole: the exchange awaits :meth:`FlowGate.admit`. When capacity frees, the gate dispatches
 the queue in flow-control order, each request routed then by the normal policy
-(:meth:`Director.pick`, late binding), and the held exchange answers Envoy with that pick.
+(:meth:`Director.pick`, late binding) and bound to an endpoint with room: the policy's choice
+over every endpoint (asked without committing) must have room, else the request waits for it;
+the held exchange answers Envoy with that pick. The fast path (nothing queued) routes as usual,
+within the endpoints with room where a lower band must leave some (:meth:`pass_through`).
 
 - **Envoy's message timeout.** A held stream first sends a ``ProcessingResponse`` carrying only
   ``override_message_timeout`` (the longest a request can wait here: the queue's TTL, or the
@@ -90,7 +93,7 @@ class FlowGate:
         self.director, self.cfg, self.tick_s, self.clock = director, cfg, tick_s, clock
         self.router = director.router
         self.fc: FlowController[Held] = FlowController(
-            cfg, self._endpoints, self._dispatch, self._reject, self._local
+            cfg, self._endpoints, self._dispatch, self._reject, self._local, self._choose
         )
         self.hold_timeout_s = max(cfg.ttl_s, cfg.empty_pool_ttl_s) + TIMEOUT_MARGIN_S
         """The message-timeout override a held stream sends Envoy, seconds."""
@@ -115,6 +118,15 @@ class FlowGate:
 
     def _local(self, item: Item[Held], e: EndpointState) -> int:
         return self.router.cached_blocks(e.key, item.hashes)
+
+    def _choose(self, item: Item[Held]) -> str | None:
+        """The normal policy's endpoint for a queued request, committing nothing (the pump binds
+        it there only if that endpoint has room; None: it cannot be routed, its dispatch says why)."""
+        held = item.payload
+        try:
+            return self.router.route(held.parsed[0], subset=held.subset, commit=False).primary.key
+        except PickerError:
+            return None
 
     def _observe(self, item: Item[Held]) -> None:
         if self._waits is not None and item.outcome is not None:
