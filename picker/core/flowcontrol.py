@@ -16,8 +16,25 @@ An endpoint **has room** when ``queue_s(e) < typical_s(e)``: it would start a ne
 within about one typical request's prefill, so it never idles for want of work the gateway
 holds, and holds at most one typical request's worth of work beyond the one it is serving. The
 pool is **saturated** when no routable endpoint has room. Then requests wait here, where they
-can still be ordered, shed, or bound to the endpoint that frees first (late binding: the normal
+can still be ordered, shed, or bound to an endpoint as room frees (late binding: the normal
 policy picks the endpoint at dispatch, on the state at dispatch).
+
+**Binding** (what keeps the replicas' queues short). A queued request is dispatched only to an
+endpoint with room: the normal policy's choice over every endpoint, asked without committing
+(``choose``), must have room, else the request stays queued for it while one behind it whose
+choice has room goes; without ``choose``, the pick is limited to the endpoints with room
+(:attr:`Item.room`). (An unbound pick may land on a saturated endpoint and leave the room that
+woke the pump open, so the pump would send the next, and the next: in cluster mode 44% of the
+dispatches at 1.5 × capacity went to endpoints without room, and the replicas' queues grew to
+25 s.) A request that finds nothing queued and room somewhere is routed at once, anywhere, as
+without flow control (the fast path).
+
+**Bands: a reservation.** A band with ``k`` bands above it (bands seen so far, by priority) is
+dispatched only to an endpoint that would start it at once, ``queue_s(e) < step(e, running(e))``
+(:func:`starts_now`, seconds), and only while at least ``k + 1`` endpoints would (every one when
+the pool has fewer): one is always left for each band above, so a request of a higher band
+never waits behind lower-band work the gateway sent (there is no preemption in the engine).
+The highest band uses the room rule above.
 
 **Order.** Bands are strict: the highest priority (``InferenceObjective`` priority of the
 request's objective) with a queued request goes first. Within a band, flows (the fairness id,
@@ -29,11 +46,15 @@ of the flow last dispatched), so idling earns no credit. Within a flow: earliest
 where a request's deadline is its arrival plus its TTFT objective (``x-llm-d-slo-ttft-ms`` /
 ``x-slo-ttft-ms``), and a request without one is due at its arrival: FCFS among those.
 
-**Fairness with locality.** When an endpoint frees, a flow whose head request's prefix is cached
-there may go before the due flow, if its ``served`` is within ``locality_slack`` units of the
-least. **Bound**: a flow is served only while its ``served`` is at most ``min + slack``, so
-between any two flows backlogged in the same band, ``served`` differs by at most
-``locality_slack + the largest single cost`` (0 slack: strict fair order).
+**Fairness with locality.** At a dispatch the candidates are, in each flow whose ``served`` is
+within ``locality_slack`` units of the least served flow's, its *locality window*: its requests
+in deadline order (at most :data:`WINDOW_MAX`), up to and including the first one already
+overtaken by ``locality_slack`` units. The candidate with the most prompt blocks cached on an
+endpoint with room goes first (ties: the least served flow, then the earlier request), if its
+own endpoint has room (binding). **Bounds**: between any two flows backlogged in the same band,
+``served`` differs by at most ``locality_slack + the largest single cost``; within a flow, a
+request is overtaken by at most ``locality_slack + the largest single cost`` units of later
+requests (0 slack: strict fair order, deadline order within a flow).
 
 **Bounds and outcomes** (each counted by band and outcome in :attr:`FlowQueue.counts`):
 
