@@ -43,8 +43,8 @@ FC = "+fc"
 def run_once(source: str, size: int, requests: int) -> float:
     """µs of loop-thread CPU per request, for one source tree ("" = this checkout; :data:`FC`:
     this checkout with flow control on)."""
-    flow = source == FC
-    root = "" if flow else source
+    flow = source == FC or source.startswith(FC + "=")
+    root = source.removeprefix(FC + "=") if source.startswith(FC + "=") else "" if flow else source
     root = root or str(pathlib.Path(__file__).resolve().parent.parent)
     env = {
         **os.environ,
@@ -73,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--source", action="append", default=[], metavar="NAME=DIR", help="another tree, side by side"
+        "--source",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="another tree, side by side (a NAME ending in +fc: with flow control on)",
     )
     p.add_argument("--sizes", default="8k,220k", help=f"comma-separated, of {', '.join(SIZES)}")
     p.add_argument("--repeats", type=int, default=5)
@@ -85,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = p.parse_args(argv)
     sources = {"this": "", **dict(s.split("=", 1) for s in a.source)}
+    for name, src in list(sources.items()):  # NAME+fc=DIR: that tree with flow control on
+        if name.endswith(FC) and src:
+            sources[name] = f"{FC}={src}"
     if a.flow_control:
         sources["this+fc"] = FC
     results: dict[tuple[str, str], list[float]] = {}

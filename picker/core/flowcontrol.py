@@ -620,10 +620,13 @@ class FlowController(Generic[P]):
         expired: a stale pending prefill only sends the request the slow way, whose pump
         expires them."""
         q = self.queue
+        need = self._need.get(band) or self._see(band)
         if len(q):
-            self._see(band)
             return False
-        room = self._at_once(band, endpoints)
+        if need == 1:  # the highest band: anywhere, if some endpoint has room
+            room: bool | frozenset[str] = any(map(has_room, endpoints))
+        else:
+            room = self._at_once(band, endpoints)
         if room is not False:
             key = (band, Outcome.DISPATCHED.label)
             q.counts[key] = q.counts.get(key, 0) + 1
