@@ -134,8 +134,10 @@ class FlowControlConfig:
     """Within a band: ``tokens`` (fair shares of prompt tokens, deficit round-robin's measure)
     or ``requests`` (round-robin)."""
     locality_slack: float = 32768.0
-    """How far ahead of the fair order (in ``fairness`` units) a flow whose head request's
-    prefix is cached on the freed endpoint may go (0: strict fair order)."""
+    """How far ahead of the fair order (in ``fairness`` units) a request whose prefix is cached
+    where it can go may be dispatched: a flow ahead of the least served, and a request ahead of
+    earlier ones of its own flow (each overtaken by at most this much; 0: strict fair order and
+    deadline order)."""
     ttl_s: float = 30.0
     """Longest wait in the queue, seconds: then a sheddable request gets 429, another is sent on."""
     empty_pool_ttl_s: float = 60.0
