@@ -379,9 +379,9 @@ class FlowQueue(Generic[P]):
 
     @staticmethod
     def _window(flow: _Flow[P], slack: float) -> list[Item[P]]:
-        """``flow``'s requests in deadline order while the units ahead of each stay under
-        ``slack`` (the first always; at most :data:`WINDOW_MAX` looked at), up to and including
-        the first request already overtaken by ``slack`` units: it goes before any later one."""
+        """``flow``'s requests in deadline order (at most :data:`WINDOW_MAX` looked at), up to
+        and including the first one already overtaken by ``slack`` units: it goes before any
+        later one."""
         out: list[Item[P]] = []
         for _, _, item in heapq.nsmallest(WINDOW_MAX, flow.heap):
             if not item.queued:
@@ -615,12 +615,12 @@ class FlowController(Generic[P]):
 
     def pass_through(self, band: int, endpoints: Sequence[EndpointState]) -> bool | frozenset[str]:
         """The fast path of a request without a TTFT objective, as :meth:`offer` would have
-        dispatched it at once: nothing is queued and at least :meth:`need` of ``endpoints`` have
-        room. False: the caller offers it. Else it is counted ``dispatched`` (wait 0) and the
-        caller routes it now: anywhere (True) when every endpoint has room, else only to those
-        with room (their keys). ``endpoints`` need not have had their predicted prefill ends
-        expired: a stale pending prefill only sends the request the slow way, whose pump
-        expires them."""
+        dispatched it at once: nothing is queued and its band may go (:meth:`room`). False: the
+        caller offers it. Else it is counted ``dispatched`` (wait 0) and the caller routes it
+        now: anywhere (True: the highest band, some endpoint with room), or only to the
+        endpoints returned (a lower band: those that start it at once). ``endpoints`` need not
+        have had their predicted prefill ends expired: a stale pending prefill only sends the
+        request the slow way, whose pump expires them."""
         q = self.queue
         need = self._need.get(band) or self._see(band)
         if len(q):
@@ -674,6 +674,7 @@ class FlowController(Generic[P]):
                 self.reject(item)
             else:
                 q.finish(item, Outcome.DISPATCHED_TTL, now)
+                item.room = None  # sent on without room: anywhere
                 self.dispatch(item)
         sent = 0
         while len(q):
@@ -719,6 +720,7 @@ class FlowController(Generic[P]):
         for item in items:
             if endpoints:
                 q.finish(item, Outcome.DRAINED, now)
+                item.room = None
                 self.dispatch(item)
             else:
                 q.finish(item, Outcome.NO_ENDPOINTS, now)
