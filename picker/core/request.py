@@ -123,6 +123,12 @@ class InferenceRequest:
     prompt_token_estimate: int = 0
     """The whole prompt's tokens, estimated, when ``prompt_token_ids`` holds only its first ones
     (a progressive tokenization stopped where no endpoint holds the next block); 0 otherwise."""
+    prompt_keys: list[int] | None = None
+    """The KV-block keys of ``prompt_token_ids`` at ``prompt_keys_block_size`` tokens per block,
+    with this request's LoRA adapter and salt (``request_keys(prompt_token_ids, ...)``), when
+    tokenization computed them with the ids (a held prefix's from its cache); None otherwise.
+    Never mutated (shared with the tokenization cache)."""
+    prompt_keys_block_size: int = 0
     media_tokens: int = 0
     """Configured token cost of the request's media parts."""
 

@@ -196,7 +196,7 @@ class Router:
         text-block matches converted to whole KV blocks."""
         assert self.precise is not None and req.prompt_token_ids is not None, "precise cycle without tokens"
         tokens, bs = req.prompt_token_ids, self.precise_block_size()
-        keys = request_keys(tokens, bs, req.lora, req.cache_salt)
+        keys = self.keys_of(req, bs)
         now = self.clock()
         matches = self.precise.match_many(exact, keys, now)
         rest = [e.key for e in candidates if e.key not in matches]
@@ -211,6 +211,15 @@ class Router:
         prompt = max(len(tokens), req.prompt_token_estimate)  # ids cut short: the rest estimated
         cyc = Cycle(req, prompt, float(bs), len(keys), matches, now, priority)
         return cyc, hashes, keys
+
+    @staticmethod
+    def keys_of(req: InferenceRequest, bs: int) -> list[int]:
+        """``req``'s KV-block keys at ``bs`` tokens per block: those tokenization computed with its
+        ids (:attr:`InferenceRequest.prompt_keys`) when at that block size, else computed here."""
+        assert req.prompt_token_ids is not None, "keys without token ids"
+        if req.prompt_keys is not None and req.prompt_keys_block_size == bs:
+            return req.prompt_keys
+        return request_keys(req.prompt_token_ids, bs, req.lora, req.cache_salt)
 
     def route(
         self,
@@ -361,8 +370,7 @@ class Router:
         req = cyc.request if cyc else None
         bs = self.precise_block_size()
         if self.precise is not None and req is not None and req.prompt_token_ids is not None and bs:
-            keys = request_keys(req.prompt_token_ids, bs, req.lora, req.cache_salt)
-            self.precise.speculate(key, keys, self.clock())
+            self.precise.speculate(key, self.keys_of(req, bs), self.clock())
         return True
 
     def first_token(self, ticket: Ticket) -> None:

@@ -49,13 +49,12 @@ from typing import Any
 from picker.core.config import PrefixConfig
 from picker.core.errors import NoEndpoints
 from picker.core.prefix.memo import common_prefix
-from picker.core.prefix.precise import request_keys
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
 from picker.core.tokenize import PromptTokenizer
 from picker.core.tokenize import load as load_tokenizer
 from picker.core.tokenize.cache import KEY_CHARS, cut
-from picker.core.tokenize.hf import Progress
+from picker.core.tokenize.hf import Keying, Progress
 from picker.feeds.remote_tokenizer import RemoteTokenizer
 
 OPEN = 1024
@@ -169,22 +168,21 @@ class Tokenization:
         local, precise = self.local, self.router.precise
         assert local is not None and precise is not None, "progressive tokenization needs both"
 
+        keying = Keying(self.router.precise_block_size(), req.lora, req.cache_salt)
+
         def start() -> Progress | None:  # one thread hop: render, then what the cache knows
             rendered = local.prompt_text(doc, path)
-            return None if rendered is None else local.begin(*rendered)
+            return None if rendered is None else local.begin(*rendered, keying)
 
         first = await asyncio.to_thread(start)
         if first is None:
             return req
         p, text = self._bounded(first), first.text
-        bs = self.router.precise_block_size()
         chunk = self.chunk_chars
         while not p.done and len(p.ids) < self.max_prompt_tokens:
-            ids = local.ids_of(p)
-            n = len(ids) // bs
+            n = len(p.keys)  # the full blocks of the ids so far
             if n and len(text) - p.pos > chunk:  # a last chunk is tokenized without a look-up
-                keys = request_keys(ids, bs, req.lora, req.cache_salt)
-                best = max(precise.match_many(eligible, keys, self.router.clock()).values(), default=0)
+                best = max(precise.match_many(eligible, p.keys, self.router.clock()).values(), default=0)
                 if best < n:  # no endpoint holds the next block
                     q = await self._follow(p, req, eligible)
                     if q is None:
@@ -194,13 +192,19 @@ class Tokenization:
             p = await self._advance(p, chunk)
             chunk *= 2
         ids = local.ids_of(p)
-        if p.done:
-            return dataclasses.replace(req, prompt_token_ids=ids)
-        estimate = len(ids) + round((len(text) - p.pos) * len(p.ids) / max(p.pos, 1))
-        self._open[req.request_id] = _Partial(text, req.lora, req.cache_salt)
-        while len(self._open) > OPEN:
-            self._open.popitem(last=False)
-        return dataclasses.replace(req, prompt_token_ids=ids, prompt_token_estimate=estimate)
+        estimate = 0
+        if not p.done:
+            estimate = len(ids) + round((len(text) - p.pos) * len(p.ids) / max(p.pos, 1))
+            self._open[req.request_id] = _Partial(text, req.lora, req.cache_salt)
+            while len(self._open) > OPEN:
+                self._open.popitem(last=False)
+        return dataclasses.replace(
+            req,
+            prompt_token_ids=ids,
+            prompt_token_estimate=estimate,
+            prompt_keys=p.keys,
+            prompt_keys_block_size=keying.block_size,
+        )
 
     async def _follow(self, p: Progress, req: InferenceRequest, eligible: list[str]) -> Progress | None:
         """When a recent prompt cut short shares more of this one's text than is tokenized, go on
@@ -219,7 +223,7 @@ class Tokenization:
                 continue
             if part.follow is not None:  # a sibling is tokenizing (or has) the shared text
                 await asyncio.shield(part.follow)
-                q = await asyncio.to_thread(local.begin, p.text, p.special)
+                q = await asyncio.to_thread(local.begin, p.text, p.special, p.keying)
                 return q if q.pos > p.pos else None
             budget = (self.max_prompt_tokens - len(p.ids)) * max(p.pos, 1) // max(len(p.ids), 1) + 1
             part.follow = asyncio.ensure_future(
@@ -228,14 +232,10 @@ class Tokenization:
             q = await asyncio.shield(part.follow)
             if q.pos <= p.pos:
                 return None
-            bs = self.router.precise_block_size()
             k = len(q.ids)
             if q.done and part.text != p.text:  # its last tokens may differ from the other's
                 k = cut(q.ends, p.text, shared, 4)
-            shared_ids = local.ids_of(Progress(p.text, p.special, q.ids[:k], q.ends[:k], 0), tail=False)
-            precise.speculate(
-                part.endpoint, request_keys(shared_ids, bs, req.lora, req.cache_salt), self.router.clock()
-            )
+            precise.speculate(part.endpoint, q.keys_upto(k), self.router.clock())
             return q
         return None
 
@@ -250,7 +250,7 @@ class Tokenization:
         if busy is not None and not busy.done():
             with contextlib.suppress(Exception):
                 await asyncio.shield(busy)
-            q = await asyncio.to_thread(local.begin, p.text, p.special)
+            q = await asyncio.to_thread(local.begin, p.text, p.special, p.keying)
             if q.pos > p.pos:
                 return self._bounded(q)
         fut = asyncio.ensure_future(asyncio.to_thread(local.advance, p, chunk))
@@ -264,9 +264,7 @@ class Tokenization:
     def _bounded(self, p: Progress) -> Progress:
         """``p`` cut to ``max_prompt_tokens`` ids (still exact; never advanced further)."""
         k = self.max_prompt_tokens
-        if len(p.ids) <= k:
-            return p
-        return Progress(p.text, p.special, p.ids[:k], p.ends[:k], p.ends[k - 1])
+        return p if len(p.ids) <= k else p.cut(k)
 
     def picked(self, request_id: str, endpoint: str) -> None:
         """The request went to ``endpoint``: a prompt it tokenized only in part is remembered

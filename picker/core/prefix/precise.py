@@ -110,6 +110,22 @@ def request_keys(tokens: Sequence[int], block_size: int, lora: str = "", salt: s
     return chain_keys(tokens, block_size, extras)
 
 
+def continue_keys(
+    keys: Sequence[int], rest: Sequence[int], block_size: int, lora: str = "", salt: str = ""
+) -> list[int]:
+    """The keys of the full blocks of ``rest``, the tokens that follow the ``len(keys)`` blocks
+    whose request keys are ``keys``, chained from the last of them:
+    ``request_keys(t, ...) == [*keys, *continue_keys(keys, t[len(keys) * block_size:], ...)]``
+    when ``keys == request_keys(t[:len(keys) * block_size], ...)``. Only ``rest`` is hashed (a
+    held prefix's keys are reused, e.g. from the tokenization cache)."""
+    if not keys:
+        return request_keys(rest, block_size, lora, salt)
+    n = len(rest) // block_size
+    if n == 0:
+        return []
+    return chain_keys(rest, block_size, [[lora]] * n if lora else None, keys[-1])
+
+
 class PreciseIndex:
     def __init__(
         self, max_blocks: int = 1_000_000, spec_ttl_s: float = 2.0, max_speculative: int = 1_000_000

@@ -16,14 +16,22 @@ pre-tokenizer (SentencePiece without splitting) must run with the cache off
 (``prefix.tokenizer_cache_entries: 0``); ``tests/precise/test_tokenize.py`` checks exactness, and
 ``tests/precise/test_progressive.py`` the same cut for progressive tokenization (hypothesis).
 
-Memory: at most ``max_tokens`` ids (each with its end offset: two Python list slots and, for
-values above 256, an int object each; about 72 bytes per id) plus the texts they came from.
+Beside a text's ids an entry may keep their KV-block keys (:func:`picker.core.prefix.precise.request_keys`
+of the ids, for one block size, LoRA adapter, salt and special head: the ``tag``), so that a held
+prefix's keys are reused as its ids are (:meth:`HFPromptTokenizer.begin`); the cache only stores
+and returns them.
+
+Memory: at most ``max_tokens`` ids (each a Python list slot and, for values above 256, an int
+object; its end offset 8 bytes in an array; about 48 bytes per id), their keys (one per block of
+ids, a list slot and an int object: under 3 bytes per id at 16 tokens per block) and the texts
+they came from.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 
 from picker.core.prefix.memo import common_prefix
 
@@ -31,21 +39,26 @@ KEY_CHARS = 256
 MIN_CHARS = 2048
 """Shorter texts are tokenized directly: a cache look-up would cost about as much."""
 
-Encoded = tuple[list[int], list[int]]
-"""(token ids, end offset of each token in characters)."""
+Plain = tuple[list[int], list[int]]
+"""What the tokenizer gives: (token ids, end offset of each token in characters)."""
+Encoded = tuple[list[int], "array[int]"]
+"""What the cache keeps: (token ids, end offsets as an array of signed 64-bit ints: slicing and
+joining it copies bytes, not objects)."""
+Keyed = tuple[Hashable, list[int]]
+"""(tag, keys): block keys of an entry's ids, and what they were computed for (the caller's)."""
 
 
 class PrefixTokenCache:
     __slots__ = ("_memo", "backoff", "encode", "entries", "hits", "max_tokens", "tokens")
 
     def __init__(
-        self, encode: Callable[[str], Encoded], entries: int = 64, backoff: int = 4, max_tokens: int = 1 << 20
+        self, encode: Callable[[str], Plain], entries: int = 64, backoff: int = 4, max_tokens: int = 1 << 20
     ) -> None:
         assert entries >= 1 and backoff >= 1 and max_tokens >= 1, (
             f"bad cache shape {entries} {backoff} {max_tokens}"
         )
         self.encode, self.entries, self.backoff, self.max_tokens = encode, entries, backoff, max_tokens
-        self._memo: OrderedDict[str, tuple[str, Encoded]] = OrderedDict()
+        self._memo: OrderedDict[str, tuple[str, Encoded, Keyed | None]] = OrderedDict()
         self.hits = 0
         self.tokens = 0
         """Ids held in all (at most ``max_tokens``, one text's ids excepted)."""
@@ -53,56 +66,61 @@ class PrefixTokenCache:
     def ids(self, text: str) -> list[int]:
         if len(text) < MIN_CHARS:
             return self.encode(text)[0]
-        ids, ends, n = self.prefix(text)
+        ids, ends, n, _ = self.prefix(text)
         if n == len(text):
             enc = (ids, ends)
         elif n:
             rest_ids, rest_ends = self.encode(text[n:])
-            enc = (ids + rest_ids, ends + [n + e for e in rest_ends])
+            enc = (ids + rest_ids, ends + array("q", [n + e for e in rest_ends]))
         else:
-            enc = self.encode(text)
+            plain_ids, plain_ends = self.encode(text)
+            enc = (plain_ids, array("q", plain_ends))
         self.store(text, enc)
         return enc[0]
 
-    def prefix(self, text: str) -> tuple[list[int], list[int], int]:
+    def prefix(self, text: str) -> tuple[list[int], array[int], int, Keyed | None]:
         """The remembered tokens of ``text``'s longest known prefix, cut where they are exact:
-        (ids, ends, characters they cover). Not copied: the caller must not mutate them."""
+        (ids, ends, characters they cover, the entry's keys and their tag if it has some; they
+        may cover more ids than those returned). Not copied: the caller must not mutate them."""
         hit = self._memo.get(text[:KEY_CHARS])
         if hit is None:
-            return [], [], 0
-        old, (ids, ends) = hit
+            return [], array("q"), 0, None
+        old, (ids, ends), keyed = hit
         if old == text:
             self.hits += 1
-            return ids, ends, len(text)
+            return ids, ends, len(text), keyed
         n = common_prefix(old, text)
         k = cut(ends, text, n, self.backoff)
         if k == 0:
-            return [], [], 0
+            return [], array("q"), 0, None
         self.hits += 1
-        return ids[:k], ends[:k], ends[k - 1]
+        return ids[:k], ends[:k], ends[k - 1], keyed
 
-    def store(self, text: str, enc: Encoded) -> None:
-        """Remember ``text`` (a whole text, or a prefix cut at a stable point) and its tokens, in
-        place of the last text with the same first ``KEY_CHARS`` characters unless that one
-        extends it."""
+    def store(self, text: str, enc: Encoded, keyed: Keyed | None = None) -> None:
+        """Remember ``text`` (a whole text, or a prefix cut at a stable point) and its tokens (and
+        their keys), in place of the last text with the same first ``KEY_CHARS`` characters
+        unless that one extends it."""
         if len(text) < MIN_CHARS:
             return
         key = text[:KEY_CHARS]
         old = self._memo.get(key)
         if old is not None and len(old[0]) >= len(text) and old[0].startswith(text):
+            known = old[2]
+            if keyed is not None and (known is None or known[0] != keyed[0] or len(known[1]) < len(keyed[1])):
+                self._memo[key] = (old[0], old[1], keyed)  # its ids start with these: so do its keys
             self._memo.move_to_end(key)  # it knows all of this text already (a sibling's longer one)
             return
         old = self._memo.pop(key, None)
         if old is not None:
             self.tokens -= len(old[1][0])
-        self._memo[key] = (text, enc)
+        self._memo[key] = (text, enc, keyed)
         self.tokens += len(enc[0])
         while len(self._memo) > 1 and (len(self._memo) > self.entries or self.tokens > self.max_tokens):
-            _, (_, (ids, _)) = self._memo.popitem(last=False)
+            _, (_, (ids, _), _) = self._memo.popitem(last=False)
             self.tokens -= len(ids)
 
 
-def cut(ends: list[int], text: str, shared: int, backoff: int) -> int:
+def cut(ends: Sequence[int], text: str, shared: int, backoff: int) -> int:
     """How many leading tokens to keep: they end ``backoff`` tokens before ``shared`` characters,
     at a word start for the pre-tokenizer, and not between two byte tokens of one character (a
     multi-byte character split into byte tokens gives each the character's end offset)."""

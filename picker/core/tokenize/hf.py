@@ -21,17 +21,29 @@ from __future__ import annotations
 import json
 import pathlib
 import threading
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
 from picker.core.tokenize import apis
 from picker.core.tokenize.apis import REASONS, Unrenderable
-from picker.core.tokenize.cache import Encoded, PrefixTokenCache, cut
+from picker.core.prefix.precise import continue_keys
+from picker.core.tokenize.cache import PrefixTokenCache, Plain, cut
 from picker.core.tokenize.chat import ChatTemplate
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+@dataclass(frozen=True, slots=True)
+class Keying:
+    """How a request's ids are keyed into KV blocks (:func:`picker.core.prefix.precise.request_keys`):
+    tokens per block, and the extras vLLM folds (its LoRA adapter, its cache salt)."""
+
+    block_size: int
+    lora: str = ""
+    salt: str = ""
 
 
 @dataclass(slots=True)
@@ -39,18 +51,42 @@ class Progress:
     """A prompt tokenized part of the way (:meth:`HFPromptTokenizer.begin`, :meth:`advance`):
     ``ids`` are exactly the first ``len(ids)`` ids of the whole text's tokenization (without the
     tokenizer's special head and tail), covering ``text[:pos]``; ``pos == len(text)`` once done.
-    Replaced, never mutated in place, by :meth:`HFPromptTokenizer.advance` (the cache may share
-    the lists)."""
+    With a ``keying``, ``keys`` are the KV-block keys of the request's ids so far
+    (``request_keys(ids_of(p), ...)``: the head, the ids, and the tail once done), else empty.
+    Replaced, never mutated in place, by :meth:`HFPromptTokenizer.advance` (the cache and the
+    request may share the lists)."""
 
     text: str
     special: bool
     ids: list[int]
-    ends: list[int]
+    ends: array[int]
     pos: int
+    keys: list[int] = field(default_factory=list)
+    keying: Keying | None = None
+    head: int = 0
+    """Tokens of the special head before ``ids`` (0 unless ``special``)."""
 
     @property
     def done(self) -> bool:
         return self.pos >= len(self.text)
+
+    def keys_upto(self, k: int) -> list[int]:
+        """The keys of the blocks that the head and the first ``k`` ids fill (no tail)."""
+        return self.keys[: (self.head + k) // self.keying.block_size] if self.keying is not None else []
+
+    def cut(self, k: int) -> Progress:
+        """The first ``k`` ids (``0 < k < len(ids)``: a stable cut, as every ``ids`` prefix is)."""
+        assert 0 < k < len(self.ids), f"cut {k} of {len(self.ids)} ids"
+        return Progress(
+            self.text,
+            self.special,
+            self.ids[:k],
+            self.ends[:k],
+            self.ends[k - 1],
+            self.keys_upto(k),
+            self.keying,
+            self.head,
+        )
 
 
 class PromptTokenizer(Protocol):
@@ -74,8 +110,9 @@ class PromptTokenizer(Protocol):
         """The text vLLM tokenizes, with or without the special tokens; None: cannot be had."""
         ...
 
-    def begin(self, text: str, special: bool) -> Progress:
-        """A progressive tokenization of ``text``, as far as the cache knows it."""
+    def begin(self, text: str, special: bool, keying: Keying | None = None) -> Progress:
+        """A progressive tokenization of ``text``, as far as the cache knows it (with its keys
+        when ``keying`` is given)."""
         ...
 
     def advance(self, p: Progress, chars: int) -> Progress:
@@ -111,7 +148,7 @@ class HFPromptTokenizer:
     def approximate(self) -> dict[str, int]:
         return self._approximate
 
-    def _encode_plain(self, text: str) -> Encoded:
+    def _encode_plain(self, text: str) -> Plain:
         # encode_batch releases the GIL (encode does not), so a long encode in a worker thread
         # does not stall the event loop
         (enc,) = self.tok.encode_batch([text], add_special_tokens=False)
@@ -179,17 +216,30 @@ class HFPromptTokenizer:
         return prompt, bool(doc.get("add_special_tokens", True))
 
     # -- progressive tokenization ----------------------------------------------------------------
-    def begin(self, text: str, special: bool) -> Progress:
-        """``text``'s tokenization as far as the cache already knows it (nothing tokenized)."""
+    def begin(self, text: str, special: bool, keying: Keying | None = None) -> Progress:
+        """``text``'s tokenization as far as the cache already knows it (nothing tokenized), with
+        the keys of those ids (``keying``): the cache's where it holds them, the rest hashed."""
+        head = len(self._head) if special else 0
         with self._lock:
-            ids, ends, n = self.cache.prefix(text) if self.cache is not None else ([], [], 0)
-        return Progress(text, special, ids, ends, n)
+            cache = self.cache
+            ids, ends, n, keyed = cache.prefix(text) if cache is not None else ([], array("q"), 0, None)
+            p = Progress(text, special, ids, ends, n, [], keying, head)
+            if keying is None:
+                return p
+            known: list[int] = []
+            if keyed is not None and keyed[0] == (keying, special):
+                known = keyed[1][: (head + len(ids)) // keying.block_size]
+            p.keys = self._keys(p, known)
+            if cache is not None and len(p.keys) > len(known):  # keys the cache lacked: kept
+                cache.store(text if p.done else text[:n], (ids, ends), ((keying, special), p.keys))
+        return p
 
     def advance(self, p: Progress, chars: int) -> Progress:
         """``p`` tokenized about ``chars`` characters further (to the end when fewer are left),
         cut where the ids are exactly the whole text's (the cache's rule: ``backoff`` tokens
-        before the segment's end, at a word start). Remembered in the cache. Runs in a worker
-        thread (the encode releases the GIL) or inline."""
+        before the segment's end, at a word start), its keys extended over the new ids.
+        Remembered in the cache. Runs in a worker thread (the encode releases the GIL) or
+        inline."""
         text, start = p.text, p.pos
         with self._lock:
             while True:
@@ -206,12 +256,29 @@ class HFPromptTokenizer:
                 if k:
                     break
                 chars *= 2  # a segment with no safe cut (one long word): take more
-            q = Progress(
-                text, p.special, p.ids + seg_ids[:k], p.ends + [start + e for e in seg_ends[:k]], pos
-            )
+            ends = p.ends + array("q", [start + e for e in seg_ends[:k]])
+            q = Progress(text, p.special, p.ids + seg_ids[:k], ends, pos, p.keys, p.keying, p.head)
+            if q.keying is not None:
+                q.keys = self._keys(q, p.keys_upto(len(p.ids)))  # p's, less any tail block
             if self.cache is not None:
-                self.cache.store(text if q.done else text[:pos], (q.ids, q.ends))
+                keyed = ((q.keying, q.special), q.keys) if q.keying is not None else None
+                self.cache.store(text if q.done else text[:pos], (q.ids, q.ends), keyed)
         return q
+
+    def _keys(self, p: Progress, known: list[int]) -> list[int]:
+        """``p``'s keys, given ``known``, those of its first blocks: only the rest hashed."""
+        keying = p.keying
+        assert keying is not None, "keys without a keying"
+        bs = keying.block_size
+        at = len(known) * bs  # the first token of ids_of(p) not yet keyed
+        head = self._head if p.special else []
+        tail = self._tail if p.special and p.done else []
+        if (len(head) + len(p.ids) + len(tail)) // bs <= len(known):
+            return known
+        rest = p.ids[at - len(head) :] if at >= len(head) else [*head[at:], *p.ids]
+        if tail:
+            rest = [*rest, *tail]
+        return [*known, *continue_keys(known, rest, bs, keying.lora, keying.salt)]
 
     def ids_of(self, p: Progress, tail: bool = True) -> list[int]:
         """The request's ids as far as ``p`` goes: the special head, and (``tail``) the tail once
