@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from picker.core.config import PrefixConfig, RouterConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
-from picker.core.prefix.precise import PreciseIndex, State, Sync, chain_keys, request_keys
+from picker.core.prefix.precise import PreciseIndex, State, Sync, chain_keys, continue_keys, request_keys
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
 from picker.feeds import events as events_mod
@@ -67,6 +67,25 @@ def test_keys_chain_and_partial_blocks() -> None:
     assert a[0] != b[0] and a[1] != b[1], "a block's key depends on every token before its end"
     assert chain_keys([*toks[:16], 999, *toks[17:]], BS)[0] == a[0], "and on none after it"
     assert chain_keys(toks[16:32], BS, parent=a[0]) == a[1:], "continuation from the parent's key"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200),
+    bs=st.integers(1, 40),
+    at=st.integers(0, 10),
+    lora=st.sampled_from(["", "ad"]),
+    salt=st.sampled_from(["", "s"]),
+)
+def test_continued_keys_equal_the_whole_computation(
+    tokens: list[int], bs: int, at: int, lora: str, salt: str
+) -> None:
+    """A held prefix's keys, continued over the tokens after them (the tokenization cache's
+    reuse), equal the keys of all the tokens computed at once."""
+    whole = request_keys(tokens, bs, lora, salt)
+    known = whole[: min(at, len(whole))]
+    rest = tokens[len(known) * bs :]
+    assert [*known, *continue_keys(known, rest, bs, lora, salt)] == whole
 
 
 def test_removed_clear_duplicates_and_unknown_parent() -> None:

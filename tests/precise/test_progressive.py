@@ -2,7 +2,9 @@
 ids are the first ids of the whole text's tokenization, and once done they are all of them, for
 random texts (words, runs of spaces and newlines, multi-byte characters, special tokens), chunk
 sizes, and chat templates rendered over random conversations; with the prefix cache warm from a
-text sharing any prefix, or cold."""
+text sharing any prefix, or cold. Its KV-block keys (reused from the cache, extended over new
+ids) equal the keys of its ids computed at once, with or without the tokenizer's special head and
+tail, for random block sizes, LoRA adapters and salts."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from picker.core.prefix.precise import request_keys
 from picker.core.tokenize import load
-from picker.core.tokenize.hf import HFPromptTokenizer
+from picker.core.tokenize.hf import HFPromptTokenizer, Keying, Progress
 from tests.support.parity import TOOLS_TEMPLATE
 from tests.support.tokenizer import tokenizer_dir
 
@@ -39,26 +42,55 @@ PIECES = [
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return tokenizer_dir(tmp_path_factory.mktemp("prog"), TOOLS_TEMPLATE, vocab_size=1024, lines=600)
+    return tokenizer_dir(
+        tmp_path_factory.mktemp("prog"),
+        TOOLS_TEMPLATE,
+        vocab_size=1024,
+        lines=600,
+        add_bos=True,
+        add_eos=True,
+    )
 
 
 texts = st.lists(st.sampled_from(PIECES), min_size=100, max_size=800).map("".join)
 
 
-def check(ours: HFPromptTokenizer, text: str, chunk: int, warm: str | None) -> None:
+keyings = st.builds(Keying, st.integers(1, 40), st.sampled_from(["", "ad"]), st.sampled_from(["", "s"]))
+
+
+def check(
+    ours: HFPromptTokenizer,
+    text: str,
+    chunk: int,
+    warm: str | None,
+    keying: Keying | None = None,
+    special: bool = False,
+) -> None:
     whole = ours.tok.encode(text, add_special_tokens=False).ids
     if warm is not None:
-        ours.text_ids(warm, False)  # the cache remembers a text sharing some prefix
-    p = ours.begin(text, False)
+        ours.text_ids(warm, special)  # the cache remembers a text sharing some prefix
+
+    def keyed(p: Progress) -> None:
+        if keying is None:
+            assert p.keys == []
+        else:
+            want = request_keys(ours.ids_of(p), keying.block_size, keying.lora, keying.salt)
+            assert p.keys == want, "the keys are those of the ids so far"
+
+    p = ours.begin(text, special, keying)
     assert p.ids == whole[: len(p.ids)]
+    keyed(p)
     steps = 0
     while not p.done:
         q = ours.advance(p, chunk)
         assert q.pos > p.pos and len(q.ids) >= len(p.ids)
         assert q.ids == whole[: len(q.ids)], (steps, q.pos)
         assert not q.ends or q.ends[-1] == q.pos, "the ids cover text[:pos] exactly"
+        keyed(q)
         p, steps = q, steps + 1
     assert p.ids == whole
+    if special:
+        assert ours.ids_of(p) == ours.tok.encode(text, add_special_tokens=True).ids
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -73,13 +105,50 @@ def test_progressive_ids_are_the_whole_tokenization_prefix(
     check(no_cache, text, chunk, None)
 
 
+long_texts = (
+    st.lists(st.sampled_from(PIECES), min_size=100, max_size=800)
+    .map("".join)
+    .map(lambda s: s * (1 + 2100 // len(s)))  # the cache keeps texts of 2 KiB or more
+)
+
+
+@settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.large_base_example],
+)
+@given(
+    text=long_texts,
+    chunk=st.integers(200, 3000),
+    share=st.integers(0, 6000),
+    tail=long_texts,
+    keying=keyings,
+    special=st.booleans(),
+)
+def test_progressive_keys_are_the_keys_of_the_ids(
+    tok_dir: pathlib.Path, text: str, chunk: int, share: int, tail: str, keying: Keying, special: bool
+) -> None:
+    """Texts the cache keeps (2 KiB or more): keys computed, reused from the cache for the same
+    text, for a text that shares a prefix with it (the cache's ids and keys cut before the
+    divergence), and for a text the cache holds without keys."""
+    ours = load(str(tok_dir), cache_entries=4)
+    other = text[:share] + tail
+    check(ours, text, chunk, None, keying, special)
+    check(ours, text, chunk // 2 + 1, None, keying, special)  # ids and keys from the cache
+    check(ours, other, chunk, None, keying, special)  # a sibling: the shared part's keys reused
+    check(ours, text, chunk, None, Keying(keying.block_size + 1), special)  # other keys: rehashed
+    warm = load(str(tok_dir), cache_entries=4)
+    check(warm, text, chunk, other, keying, special)  # the cache holds ids without keys
+    assert ours.cache is not None and ours.cache.hits, "the cache was used"
+
+
 turns = st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), texts), min_size=1, max_size=6)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(conversation=turns, chunk=st.integers(64, 4000), tools=st.booleans())
+@given(conversation=turns, chunk=st.integers(64, 4000), tools=st.booleans(), keying=keyings)
 def test_progressive_over_rendered_chat_templates(
-    tok_dir: pathlib.Path, conversation: list[tuple[str, str]], chunk: int, tools: bool
+    tok_dir: pathlib.Path, conversation: list[tuple[str, str]], chunk: int, tools: bool, keying: Keying
 ) -> None:
     ours = load(str(tok_dir), cache_entries=8)
     doc = {"messages": [{"role": r, "content": c} for r, c in conversation]}
@@ -89,9 +158,9 @@ def test_progressive_over_rendered_chat_templates(
     assert got is not None
     text, special = got
     assert not special
-    check(ours, text, chunk, None)
+    check(ours, text, chunk, None, keying)
     # the next turn: the cache holds this one, progressive tokenization of the longer one is exact
     doc["messages"].append({"role": "user", "content": "and then " + conversation[0][1][:300]})
     longer = ours.prompt_text(doc, "/v1/chat/completions")
     assert longer is not None
-    check(ours, longer[0], chunk, text)
+    check(ours, longer[0], chunk, text, keying)

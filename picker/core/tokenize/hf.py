@@ -27,10 +27,10 @@ from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
+from picker.core.prefix.precise import continue_keys
 from picker.core.tokenize import apis
 from picker.core.tokenize.apis import REASONS, Unrenderable
-from picker.core.prefix.precise import continue_keys
-from picker.core.tokenize.cache import PrefixTokenCache, Plain, cut
+from picker.core.tokenize.cache import Plain, PrefixTokenCache, cut
 from picker.core.tokenize.chat import ChatTemplate
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
