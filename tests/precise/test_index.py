@@ -172,6 +172,38 @@ def test_speculative_entries_are_bounded() -> None:
     assert sum(len(u) for u in idx._spec_until.values()) <= 10
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_speculative_entries_live_until_their_latest_expiry(data: st.DataObject) -> None:
+    """Whatever the order of picks (keys repeated, refreshed, overlapping, on several endpoints),
+    a speculative entry is held exactly while the latest pick that sent it is younger than the
+    TTL: a model of (endpoint, key) → latest expiry agrees with every look-up."""
+    rng = random.Random(data.draw(st.integers(0, 10**6)))
+    ttl = data.draw(st.sampled_from([1, 2.0, 0.5]))
+    idx = PreciseIndex(spec_ttl_s=ttl)
+    chains = [request_keys([rng.randrange(9) for _ in range(8 * BS)], BS) for _ in range(3)]
+    latest: dict[tuple[str, int], float] = {}
+    now = 0.0
+    for _ in range(data.draw(st.integers(1, 40))):
+        now += data.draw(st.sampled_from([0, 0.25, 0.5, 1, 1.5]))
+        e = rng.choice(["a", "b", "c"])
+        chain = rng.choice(chains)
+        keys = chain[: rng.randrange(1, 9)] if rng.random() < 0.7 else rng.choices(chain, k=rng.randrange(1, 12))
+        idx.speculate(e, keys, now)
+        for k in keys:
+            latest[e, k] = now + ttl
+        probe = now + data.draw(st.sampled_from([0, 0.3, 1, 2.5]))
+        chain = rng.choice(chains)
+        got = idx.match_many(["a", "b", "c"], chain, probe)
+        for x in "abc":
+            n = 0
+            while n < len(chain) and latest.get((x, chain[n]), -1.0) > probe:
+                n += 1
+            assert got[x] == n, (x, got, probe)
+        now = probe
+        idx.check()
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_match_many_equals_a_walk_per_endpoint(data: st.DataObject) -> None:
