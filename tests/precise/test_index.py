@@ -188,7 +188,9 @@ def test_speculative_entries_live_until_their_latest_expiry(data: st.DataObject)
         now += data.draw(st.sampled_from([0, 0.25, 0.5, 1, 1.5]))
         e = rng.choice(["a", "b", "c"])
         chain = rng.choice(chains)
-        keys = chain[: rng.randrange(1, 9)] if rng.random() < 0.7 else rng.choices(chain, k=rng.randrange(1, 12))
+        keys = (
+            chain[: rng.randrange(1, 9)] if rng.random() < 0.7 else rng.choices(chain, k=rng.randrange(1, 12))
+        )
         idx.speculate(e, keys, now)
         for k in keys:
             latest[e, k] = now + ttl
@@ -202,6 +204,38 @@ def test_speculative_entries_live_until_their_latest_expiry(data: st.DataObject)
             assert got[x] == n, (x, got, probe)
         now = probe
         idx.check()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_match_many_over_long_prompts_held_in_runs(data: st.DataObject) -> None:
+    """Long prompts whose blocks each endpoint holds in runs (by its events, speculatively, both,
+    or neither; many short runs too): the look-up, walking all endpoints at once and then each
+    of the few left alone, equals a naive walk per endpoint."""
+    rng = random.Random(data.draw(st.integers(0, 10**6)))
+    idx = PreciseIndex()
+    n_eps = data.draw(st.sampled_from([1, 3, 5, 12]))
+    eps = [f"e{i}" for i in range(n_eps)]
+    toks = [rng.randrange(50) for _ in range(60 * BS)]
+    keys = request_keys(toks, BS)
+    for e in eps:
+        run = data.draw(st.sampled_from([1, 2, 7, 30]))
+        ways = rng.choices(["events", "spec", "both", "none"], [4, 4, 2, 1], k=len(keys) // run + 1)
+        way = [ways[i // run] for i in range(len(keys))]
+        if rng.random() < 0.2:
+            way = ["both"] * len(keys)  # held whole
+        hashes = store(idx, e, toks)
+        apply(idx, e, [Removed([h for h, w in zip(hashes, way, strict=True) if w in ("spec", "none")])])
+        idx.speculate(e, [k for k, w in zip(keys, way, strict=True) if w in ("spec", "both")], 0.0)
+    q = keys[: rng.randrange(len(keys) + 1)]
+    got = idx.match_many([*eps, "unknown"], q, 0.0)
+    assert got["unknown"] == 0
+    for e in eps:
+        held, n = idx.holds(e) | set(idx._spec_until.get(idx._slots.get(e, -1), {})), 0
+        while n < len(q) and q[n] in held:
+            n += 1
+        assert got[e] == n, e
+    idx.check()
 
 
 @settings(max_examples=60, deadline=None)

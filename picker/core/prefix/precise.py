@@ -36,7 +36,10 @@ Invariants (``check``): bit ``s`` of ``_mask[k]`` is set iff some entry of ``_he
 out of sync: we must have missed removals); speculative entries number at most ``max_speculative``.
 
 A lookup walks the request's keys once for all endpoints at a time (AND of bitmasks), so its cost
-is O(blocks), not O(blocks × endpoints).
+is O(blocks), not O(blocks × endpoints); once at most ``FEW`` endpoints still match (a held
+prompt is usually on one or two), each of those goes on alone through C-level scans of its runs
+of held keys (:meth:`PreciseIndex._depth`). Either way an endpoint's match is the number of
+leading keys it holds, confirmed or speculatively (property tests hold it to a naive walk).
 """
 
 from __future__ import annotations
@@ -46,12 +49,20 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import compress, count, islice, repeat
+from operator import not_
 from typing import Any
 
 import msgpack
 import xxhash
 
 MASK60 = (1 << 60) - 1
+FEW = 4
+"""A look-up walks the keys for all endpoints at once while more than this many still match,
+then each of those left alone (:meth:`PreciseIndex._depth`)."""
+RUNS = 8
+"""Runs of keys held one way (speculatively, by events) scanned at C level per endpoint; past
+them (keys held alternately), key by key."""
 
 
 def extra_seed(extra: Sequence[Any] | None) -> int:
@@ -337,25 +348,47 @@ class PreciseIndex:
             mask |= 1 << s
         cget, sget = self._mask.get, self._spec_mask.get
         depth = 0
-        for k in keys:
-            if not mask:
-                break
-            m = cget(k, 0) & mask
-            if m != mask:  # the speculative entries only where the confirmed ones fall short
-                m |= sget(k, 0) & mask
-                if m != mask:
-                    gone = mask & ~m
-                    while gone:
-                        low = gone & -gone
-                        out[live[low.bit_length() - 1]] = depth
-                        gone ^= low
-                    mask = m
-            depth += 1
+        if mask.bit_count() > FEW:
+            for k in keys:
+                m = cget(k, 0) & mask
+                if m != mask:  # the speculative entries only where the confirmed ones fall short
+                    m |= sget(k, 0) & mask
+                    if m != mask:
+                        gone = mask & ~m
+                        while gone:
+                            low = gone & -gone
+                            out[live[low.bit_length() - 1]] = depth
+                            gone ^= low
+                        mask = m
+                        if m.bit_count() <= FEW:  # the rest: each endpoint alone, from here
+                            depth += 1  # (those left hold this key)
+                            break
+                depth += 1
         while mask:
             low = mask & -mask
-            out[live[low.bit_length() - 1]] = depth
+            s = low.bit_length() - 1
+            out[live[s]] = self._depth(s, keys, depth)
             mask ^= low
         return out
+
+    def _depth(self, s: int, keys: Sequence[int], i: int) -> int:
+        """The first index from ``i`` of a key that slot ``s`` holds neither by its events nor
+        speculatively (``i``: the keys before it are held). Scans runs of keys held one way with
+        C-level iterators (a long held prompt is one run), switching at each key the run's kind
+        lacks."""
+        bit, until, n = 1 << s, self._spec_until[s], len(keys)
+        held, cget = bit.__and__, self._mask.get
+        for _ in range(RUNS):  # a run held speculatively, then a run held by events, ...
+            i = next(compress(count(i), map(not_, map(until.__contains__, islice(keys, i, None)))), n)
+            if i == n:
+                return n
+            j = next(compress(count(i), map(not_, map(held, map(cget, islice(keys, i, None), repeat(0))))), n)
+            if j == i:  # held neither way
+                return i
+            i = j
+        while i < n and (cget(keys[i], 0) & bit or keys[i] in until):  # many short runs: key by key
+            i += 1
+        return i
 
     def holds(self, key: str) -> set[int]:
         """Our keys confirmed on ``key`` (tests compare them with a replica's true cache)."""
