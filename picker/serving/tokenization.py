@@ -20,7 +20,10 @@ precise index: once no endpoint holds the next block, tokenizing stops. The requ
 ids so far (exactly the whole tokenization's first ones, :meth:`HFPromptTokenizer.advance`) and an
 estimate of the whole prompt's tokens (the ids per character so far, times the characters), which
 the load model uses. A cold prompt costs one chunk; the next turn of a conversation, or another
-question on a shared document, costs what the cache does not hold (its new suffix).
+question on a shared document, costs what the cache does not hold (its new suffix), tokenized in
+the same thread hop as the cache look-up when it is at most a chunk. The ids come with their
+KV-block keys (a held prefix's from the cache, :meth:`HFPromptTokenizer.begin`), which the
+router uses as they are (:attr:`InferenceRequest.prompt_keys`).
 
 Siblings: a prompt cut short this way is remembered with the endpoint it went to (:meth:`picked`;
 the last ``PARTIALS`` of them, for ``PARTIAL_TTL_S``). A later prompt that stops where such a
@@ -169,16 +172,21 @@ class Tokenization:
         assert local is not None and precise is not None, "progressive tokenization needs both"
 
         keying = Keying(self.router.precise_block_size(), req.lora, req.cache_salt)
+        chunk, bound = self.chunk_chars, self.max_prompt_tokens
 
-        def start() -> Progress | None:  # one thread hop: render, then what the cache knows
-            rendered = local.prompt_text(doc, path)
-            return None if rendered is None else local.begin(*rendered, keying)
+        def start() -> Progress | None:  # one thread hop: render, then what the cache knows,
+            rendered = local.prompt_text(doc, path)  # and a last chunk (no look-up before it)
+            if rendered is None:
+                return None
+            p = local.begin(*rendered, keying)
+            if not p.done and len(p.text) - p.pos <= chunk and len(p.ids) < bound:
+                p = local.advance(p, chunk)
+            return p
 
         first = await asyncio.to_thread(start)
         if first is None:
             return req
         p, text = self._bounded(first), first.text
-        chunk = self.chunk_chars
         while not p.done and len(p.ids) < self.max_prompt_tokens:
             n = len(p.keys)  # the full blocks of the ids so far
             if n and len(text) - p.pos > chunk:  # a last chunk is tokenized without a look-up
