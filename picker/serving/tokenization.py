@@ -172,16 +172,13 @@ class Tokenization:
         assert local is not None and precise is not None, "progressive tokenization needs both"
 
         keying = Keying(self.router.precise_block_size(), req.lora, req.cache_salt)
-        chunk, bound = self.chunk_chars, self.max_prompt_tokens
+        chunk = self.chunk_chars
 
         def start() -> Progress | None:  # one thread hop: render, then what the cache knows,
             rendered = local.prompt_text(doc, path)  # and a last chunk (no look-up before it)
             if rendered is None:
                 return None
-            p = local.begin(*rendered, keying)
-            if not p.done and len(p.text) - p.pos <= chunk and len(p.ids) < bound:
-                p = local.advance(p, chunk)
-            return p
+            return local.begin(*rendered, keying, last=chunk)  # (a bound cut later is the same)
 
         first = await asyncio.to_thread(start)
         if first is None:

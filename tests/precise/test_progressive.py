@@ -65,6 +65,7 @@ def check(
     warm: str | None,
     keying: Keying | None = None,
     special: bool = False,
+    last: int = 0,
 ) -> None:
     whole = ours.tok.encode(text, add_special_tokens=False).ids
     if warm is not None:
@@ -77,7 +78,7 @@ def check(
             want = request_keys(ours.ids_of(p), keying.block_size, keying.lora, keying.salt)
             assert p.keys == want, "the keys are those of the ids so far"
 
-    p = ours.begin(text, special, keying)
+    p = ours.begin(text, special, keying, last)
     assert p.ids == whole[: len(p.ids)]
     keyed(p)
     steps = 0
@@ -124,21 +125,31 @@ long_texts = (
     tail=long_texts,
     keying=keyings,
     special=st.booleans(),
+    last=st.sampled_from([0, 300, 4000, 100_000]),
 )
 def test_progressive_keys_are_the_keys_of_the_ids(
-    tok_dir: pathlib.Path, text: str, chunk: int, share: int, tail: str, keying: Keying, special: bool
+    tok_dir: pathlib.Path,
+    text: str,
+    chunk: int,
+    share: int,
+    tail: str,
+    keying: Keying,
+    special: bool,
+    last: int,
 ) -> None:
     """Texts the cache keeps (2 KiB or more): keys computed, reused from the cache for the same
     text, for a text that shares a prefix with it (the cache's ids and keys cut before the
-    divergence), and for a text the cache holds without keys."""
+    divergence), and for a text the cache holds without keys; with the rest tokenized at once
+    when short (``last``: the cut's lists extended in place, the cache's left intact)."""
     ours = load(str(tok_dir), cache_entries=4)
     other = text[:share] + tail
-    check(ours, text, chunk, None, keying, special)
-    check(ours, text, chunk // 2 + 1, None, keying, special)  # ids and keys from the cache
-    check(ours, other, chunk, None, keying, special)  # a sibling: the shared part's keys reused
-    check(ours, text, chunk, None, Keying(keying.block_size + 1), special)  # other keys: rehashed
+    check(ours, text, chunk, None, keying, special, last)
+    check(ours, text, chunk // 2 + 1, None, keying, special, last)  # ids and keys from the cache
+    check(ours, other, chunk, None, keying, special, last)  # a sibling: the shared part's keys reused
+    check(ours, text, chunk, None, keying, special, last)  # the cache's lists were not mutated
+    check(ours, text, chunk, None, Keying(keying.block_size + 1), special, last)  # other keys: rehashed
     warm = load(str(tok_dir), cache_entries=4)
-    check(warm, text, chunk, other, keying, special)  # the cache holds ids without keys
+    check(warm, text, chunk, other, keying, special, last)  # the cache holds ids without keys
     assert ours.cache is not None and ours.cache.hits, "the cache was used"
 
 

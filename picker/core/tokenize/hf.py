@@ -110,9 +110,9 @@ class PromptTokenizer(Protocol):
         """The text vLLM tokenizes, with or without the special tokens; None: cannot be had."""
         ...
 
-    def begin(self, text: str, special: bool, keying: Keying | None = None) -> Progress:
+    def begin(self, text: str, special: bool, keying: Keying | None = None, last: int = 0) -> Progress:
         """A progressive tokenization of ``text``, as far as the cache knows it (with its keys
-        when ``keying`` is given)."""
+        when ``keying`` is given), and to the end when at most ``last`` characters are left."""
         ...
 
     def advance(self, p: Progress, chars: int) -> Progress:
@@ -216,22 +216,26 @@ class HFPromptTokenizer:
         return prompt, bool(doc.get("add_special_tokens", True))
 
     # -- progressive tokenization ----------------------------------------------------------------
-    def begin(self, text: str, special: bool, keying: Keying | None = None) -> Progress:
-        """``text``'s tokenization as far as the cache already knows it (nothing tokenized), with
-        the keys of those ids (``keying``): the cache's where it holds them, the rest hashed."""
+    def begin(self, text: str, special: bool, keying: Keying | None = None, last: int = 0) -> Progress:
+        """``text``'s tokenization as far as the cache already knows it, with the keys of those
+        ids (``keying``): the cache's where it holds them, the rest hashed. When at most ``last``
+        characters are left after that, they are tokenized too (as :meth:`advance` would, but
+        extending the cut's ids in place: a cut from the cache is a fresh list, one copy saved)."""
         head = len(self._head) if special else 0
         with self._lock:
             cache = self.cache
             ids, ends, n, keyed = cache.prefix(text) if cache is not None else ([], array("q"), 0, None)
             p = Progress(text, special, ids, ends, n, [], keying, head)
-            if keying is None:
-                return p
-            known: list[int] = []
-            if keyed is not None and keyed[0] == (keying, special):
-                known = keyed[1][: (head + len(ids)) // keying.block_size]
-            p.keys = self._keys(p, known)
-            if cache is not None and len(p.keys) > len(known):  # keys the cache lacked: kept
-                cache.store(text if p.done else text[:n], (ids, ends), ((keying, special), p.keys))
+            if keying is not None:
+                known: list[int] = []
+                if keyed is not None and keyed[0] == (keying, special):
+                    known = keyed[1][: (head + len(ids)) // keying.block_size]
+                p.keys = self._keys(p, known)
+                if cache is not None and len(p.keys) > len(known):  # keys the cache lacked: kept
+                    cache.store(text if p.done else text[:n], (ids, ends), ((keying, special), p.keys))
+            if last and not p.done and len(text) - n <= last:
+                # not done: ids and ends are a fresh cut (an exact hit is done), held by no one else
+                p = self._advance(p, last, in_place=True)
         return p
 
     def advance(self, p: Progress, chars: int) -> Progress:
@@ -240,29 +244,41 @@ class HFPromptTokenizer:
         before the segment's end, at a word start), its keys extended over the new ids.
         Remembered in the cache. Runs in a worker thread (the encode releases the GIL) or
         inline."""
-        text, start = p.text, p.pos
         with self._lock:
-            while True:
-                stop = start + chars
-                if stop >= len(text):
-                    seg_ids, seg_ends = self._encode_plain(text[start:])
-                    k, pos = len(seg_ids), len(text)
-                else:
-                    seg = text[start:stop]
-                    seg_ids, seg_ends = self._encode_plain(seg)
-                    backoff = self.cache.backoff if self.cache is not None else 4
-                    k = cut(seg_ends, seg, len(seg), backoff)
-                    pos = start + seg_ends[k - 1] if k else start
-                if k:
-                    break
-                chars *= 2  # a segment with no safe cut (one long word): take more
-            ends = p.ends + array("q", [start + e for e in seg_ends[:k]])
-            q = Progress(text, p.special, p.ids + seg_ids[:k], ends, pos, p.keys, p.keying, p.head)
-            if q.keying is not None:
-                q.keys = self._keys(q, p.keys_upto(len(p.ids)))  # p's, less any tail block
-            if self.cache is not None:
-                keyed = ((q.keying, q.special), q.keys) if q.keying is not None else None
-                self.cache.store(text if q.done else text[:pos], (q.ids, q.ends), keyed)
+            return self._advance(p, chars, in_place=False)
+
+    def _advance(self, p: Progress, chars: int, in_place: bool) -> Progress:
+        """:meth:`advance` under the lock; ``in_place``: ``p``'s lists are extended (``p`` is
+        spent: only :meth:`begin`'s own cut may be)."""
+        text, start = p.text, p.pos
+        while True:
+            stop = start + chars
+            if stop >= len(text):
+                seg_ids, seg_ends = self._encode_plain(text[start:])
+                k, pos = len(seg_ids), len(text)
+            else:
+                seg = text[start:stop]
+                seg_ids, seg_ends = self._encode_plain(seg)
+                backoff = self.cache.backoff if self.cache is not None else 4
+                k = cut(seg_ends, seg, len(seg), backoff)
+                pos = start + seg_ends[k - 1] if k else start
+            if k:
+                break
+            chars *= 2  # a segment with no safe cut (one long word): take more
+        known = p.keys_upto(len(p.ids))  # p's keys, less any tail block
+        new_ends = array("q", [start + e for e in seg_ends[:k]])
+        if in_place:
+            ids, ends = p.ids, p.ends
+            ids += seg_ids[:k]
+            ends += new_ends
+        else:
+            ids, ends = p.ids + seg_ids[:k], p.ends + new_ends
+        q = Progress(text, p.special, ids, ends, pos, known, p.keying, p.head)
+        if q.keying is not None:
+            q.keys = self._keys(q, known)
+        if self.cache is not None:
+            keyed = ((q.keying, q.special), q.keys) if q.keying is not None else None
+            self.cache.store(text if q.done else text[:pos], (q.ids, q.ends), keyed)
         return q
 
     def _keys(self, p: Progress, known: list[int]) -> list[int]:
