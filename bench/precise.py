@@ -13,7 +13,10 @@
    ~2k tokens (a document + a new question), plus a chat request's template rendering.
 
 Prints a markdown table; ``--json`` writes the figures. Timings are medians over ``--iters``
-repetitions with the 10th-90th percentile spread.
+repetitions with the 10th-90th percentile spread: wall-clock, or with ``--clock cpu`` this
+thread's CPU time (``time.thread_time``), which other processes on a shared machine move far less.
+The script imports ``picker`` from ``PYTHONPATH``, so one copy of it times any tree side by side:
+``PYTHONSAFEPATH=1 PYTHONPATH=TREE python bench/precise.py ...``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import asdict, dataclass
 from picker.core.config import PrefixConfig, RouterConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint
+from picker.core.prefix.hashing import block_hashes, seed_for
 from picker.core.prefix.precise import PreciseIndex, State, Sync, request_keys
 from picker.core.request import InferenceRequest
 from picker.core.router import Router
@@ -49,28 +53,50 @@ class Timing:
     p90_ms: float
 
 
+CLOCK: Callable[[], float] = time.perf_counter
+"""What :func:`timed` reads (``--clock``)."""
+
+
 def timed(what: str, tokens: int, endpoints: int, fn: Callable[[], object], iters: int) -> Timing:
     fn()  # warm
     gc.collect()
     samples = []
+    clock = CLOCK
     for _ in range(iters):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        samples.append((time.perf_counter() - t0) * 1000)
+        samples.append((clock() - t0) * 1000)
     q = statistics.quantiles(samples, n=10) if len(samples) >= 2 else samples * 9
     return Timing(what, tokens, endpoints, statistics.median(samples), q[0], q[8])
 
 
-def _router(n: int, max_blocks: int) -> Router:
+def _router(n: int, max_blocks: int, mode: str = "precise") -> Router:
     pool = Pool()
     pool.set_endpoints(Endpoint("10.0.0.1", 8000 + i) for i in range(n))
-    cfg = RouterConfig(
-        policy="cost", prefix=PrefixConfig(mode="precise", block_size=BS, max_blocks_per_endpoint=max_blocks)
-    )
-    router = Router(cfg, pool)
-    for s in pool:
-        router.syncs[s.key] = Sync(State.SYNCED, expected=0)
+    prefix = PrefixConfig(mode="approximate")
+    if mode == "precise":
+        prefix = PrefixConfig(mode="precise", block_size=BS, max_blocks_per_endpoint=max_blocks)
+    router = Router(RouterConfig(policy="cost", prefix=prefix), pool)
+    if mode == "precise":
+        for s in pool:
+            router.syncs[s.key] = Sync(State.SYNCED, expected=0)
     return router
+
+
+def _fill_approximate(
+    router: Router, keys: list[str], text: str, fill_blocks: int, rng: random.Random
+) -> None:
+    """:func:`_fill` for the approximate index: every endpoint was sent ``fill_blocks`` blocks of
+    other text and a different-length piece of ``text``'s first 75%."""
+    cfg = router.cfg.hashing
+    seed = seed_for("m")
+    whole = block_hashes(text, seed, cfg)
+    shared = len(whole) * 3 // 4
+    for i, key in enumerate(keys):
+        router.index.record(key, [rng.getrandbits(63) for _ in range(fill_blocks)])
+        depth = shared * (i + 1) // len(keys)
+        if depth:
+            router.index.record(key, whole[:depth])
 
 
 def _fill(
@@ -85,6 +111,23 @@ def _fill(
         depth = shared * (i + 1) // len(keys) // BS * BS
         if depth:
             index.stored(key, [next(eh) for _ in range(depth // BS)], None, prompt[:depth], BS, None)
+
+
+def hot_path_approximate(
+    tokens: int, iters: int, fill_blocks: int, seed: int = 0, endpoints: int = ENDPOINTS
+) -> Timing:
+    """The whole decision in approximate mode (no token ids: the routing text is hashed), the
+    index filled as :func:`_fill_approximate` says."""
+    rng = random.Random(seed)
+    text = " ".join(str(rng.randrange(2048)) for _ in range(tokens))  # ~4.5 chars a "token"
+    router = _router(endpoints, 0, "approximate")
+    _fill_approximate(router, [s.key for s in router.pool], text, fill_blocks, rng)
+    req = InferenceRequest(model="m", routing_text=text)
+
+    def decide() -> None:
+        router.finish(router.start(router.route(req)))
+
+    return timed("whole decision, approximate", tokens, endpoints, decide, iters)
 
 
 def hot_path(
@@ -214,8 +257,14 @@ def main(argv: list[str] | None = None) -> int:
         "--endpoints", default=str(ENDPOINTS), help="endpoint counts, comma-separated (memory: the first)"
     )
     p.add_argument("--no-tokenize", action="store_true", help="skip part 2 (tokenization)")
+    p.add_argument(
+        "--approximate", action="store_true", help="also time the whole decision in approximate mode"
+    )
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: this thread's CPU time")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    global CLOCK
+    CLOCK = time.thread_time if a.clock == "cpu" else time.perf_counter
     rows: list[Timing] = []
     memory: dict[int, int] = {}
     counts = [int(x) for x in a.endpoints.split(",")]
@@ -223,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, count in enumerate(counts):
             timings, mem = hot_path(n, a.iters, a.fill_blocks, endpoints=count)
             rows += timings
+            if a.approximate:
+                rows.append(hot_path_approximate(n, a.iters, a.fill_blocks, endpoints=count))
             if i == 0:
                 memory[n] = mem
     if not a.no_tokenize:

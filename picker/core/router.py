@@ -166,7 +166,15 @@ class Router:
         precise matching applies, the prompt's KV-block keys."""
         priority = self.objectives.priority(req.objective)
         tokens, bs = req.prompt_token_ids, self.precise_block_size()
-        exact = [e.key for e in candidates if self.is_precise(e.key)] if tokens is not None and bs else []
+        exact: list[str] = []
+        if tokens is not None and bs and self.precise is not None:  # is_precise, inline (per endpoint)
+            syncs, synced = self.syncs, State.SYNCED
+            waiting = State.WAITING if self.cfg.prefix.mode == "precise" else None
+            exact = [
+                e.key
+                for e in candidates
+                if (sync := syncs.get(e.key)) is not None and (sync.state is synced or sync.state is waiting)
+            ]
         if exact:
             return self._precise_cycle(req, candidates, exact, priority)
         text = req.routing_text.encode()
@@ -227,9 +235,12 @@ class Router:
         policy: str | None = None,
         commit: bool = True,
         subset: Collection[str] | None = None,
+        prune: bool = True,
     ) -> Decision:
         """Pick for ``req``. ``subset`` (the gateway's subset hint, endpoint keys) limits the
-        candidates; an empty subset, or one with no routable endpoint, raises :class:`NoEndpoints`."""
+        candidates; an empty subset, or one with no routable endpoint, raises :class:`NoEndpoints`.
+        ``prune=False`` scores every candidate (explain); the pick is the same either way
+        (:meth:`Profile.run`)."""
         if self.catch_up is not None:
             self.catch_up()
         candidates = self.pool.routable()
@@ -251,11 +262,11 @@ class Router:
             profile = self.precise_profiles.get(profile.name, profile)
         k = 1 + self.cfg.fallbacks
         if self.pd is None:
-            return Decision(cyc, profile.run(cyc, candidates, k, commit), hashes, keys)
+            return Decision(cyc, profile.run(cyc, candidates, k, commit, prune), hashes, keys)
         pcfg = self.cfg.pd
         decode = self._profile(pcfg.decode_policy, keys) if pcfg.decode_policy and not policy else profile
         prefill = self._profile(pcfg.prefill_policy, keys) if pcfg.prefill_policy else profile
-        result, pd = self.pd.run(cyc, decode, prefill, candidates, prefills, k, commit)
+        result, pd = self.pd.run(cyc, decode, prefill, candidates, prefills, k, commit, prune)
         return Decision(cyc, result, hashes, keys, pd)
 
     def _profile(self, name: str, keys: list[int] | None) -> Profile:
@@ -405,7 +416,7 @@ class Router:
 
     def explain(self, req: InferenceRequest, policy: str | None = None) -> dict[str, object]:
         """Per-endpoint scores and TTFT estimates for ``req``, without sending it anywhere."""
-        decision = self.route(req, policy, commit=False)
+        decision = self.route(req, policy, commit=False, prune=False)
         cyc = decision.cycle
         cost = self.profile.scorer("cost") or CostScorer()
         assert isinstance(cost, CostScorer)

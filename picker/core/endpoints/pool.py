@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from picker.core.endpoints.types import Endpoint, EndpointState
+from picker.core.endpoints.types import NOT_ROUTABLE, Endpoint, EndpointState
 
 Listener = Callable[[EndpointState], None]
 
@@ -55,4 +55,4 @@ class Pool:
         return len(self._states)
 
     def routable(self) -> list[EndpointState]:
-        return [s for s in self._states.values() if s.routable]
+        return [s for s in self._states.values() if s.health not in NOT_ROUTABLE]  # s.routable, inline

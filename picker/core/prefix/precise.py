@@ -145,6 +145,8 @@ class PreciseIndex:
         self.max_blocks, self.spec_ttl_s, self.max_speculative = max_blocks, spec_ttl_s, max_speculative
         self._slots: dict[str, int] = {}
         self._free_slots: list[int] = []
+        self._live_memo: tuple[int, tuple[str, ...], dict[int, str], int] | None = None
+        """The last :meth:`_live` answer; :meth:`slot` and :meth:`remove` drop it."""
         self._held: dict[int, dict[Any, int]] = {}
         self._copies: dict[int, dict[Any, int]] = {}
         self._mask: dict[int, int] = {}
@@ -165,6 +167,7 @@ class PreciseIndex:
         if s is None:
             s = self._free_slots.pop() if self._free_slots else len(self._slots)
             self._slots[key] = s
+            self._live_memo = None
             self._held[s] = {}
             self._copies[s] = {}
             self._dup[s] = {}
@@ -180,6 +183,7 @@ class PreciseIndex:
         self._drop_speculative(s)
         del self._slots[key], self._held[s], self._copies[s], self._dup[s], self._spec_until[s]
         self._free_slots.append(s)
+        self._live_memo = None
 
     def forget(self, key: str) -> None:
         """``key`` restarted: its cache is empty, and the requests picked for it before (the
@@ -335,17 +339,9 @@ class PreciseIndex:
     def match_many(self, endpoints: Iterable[str], keys: Sequence[int], now: float) -> dict[str, int]:
         """``{endpoint: leading blocks of keys it holds}`` (confirmed or speculative)."""
         self._expire(now)
-        slots = self._slots
-        live: dict[int, str] = {}
-        out: dict[str, int] = {}
-        for e in endpoints:
-            s = slots.get(e)
-            out[e] = 0
-            if s is not None:
-                live[s] = e
-        mask = 0
-        for s in live:
-            mask |= 1 << s
+        names = tuple(endpoints)
+        out = dict.fromkeys(names, 0)
+        live, mask = self._live(names)
         cget, sget = self._mask.get, self._spec_mask.get
         depth = 0
         if mask.bit_count() > FEW:
@@ -389,6 +385,25 @@ class PreciseIndex:
         while i < n and (cget(keys[i], 0) & bit or keys[i] in until):  # many short runs: key by key
             i += 1
         return i
+
+    def _live(self, names: tuple[str, ...]) -> tuple[dict[int, str], int]:
+        """Slot → endpoint of the ``names`` that have a slot, and their slots' bitmask; the last
+        answer is kept while the same endpoints are asked for and no slot was taken or freed (a
+        pick asks for the whole pool each time)."""
+        memo = self._live_memo
+        if memo is not None and memo[1] == names:
+            return memo[2], memo[3]
+        slots = self._slots
+        live: dict[int, str] = {}
+        for e in names:
+            s = slots.get(e)
+            if s is not None:
+                live[s] = e
+        mask = 0
+        for s in live:
+            mask |= 1 << s
+        self._live_memo = (len(slots), names, live, mask)
+        return live, mask
 
     def holds(self, key: str) -> set[int]:
         """Our keys confirmed on ``key`` (tests compare them with a replica's true cache)."""

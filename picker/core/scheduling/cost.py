@@ -57,6 +57,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from picker.core.endpoints.types import EndpointState
 from picker.core.scheduling.types import Cycle
@@ -64,6 +65,17 @@ from picker.core.scheduling.types import Cycle
 TIE_MARGIN = 1e-6
 """How far below 1 a tied endpoint holding less of the prompt scores: far below any difference
 the model resolves, so it orders ties only."""
+
+
+PRUNE_MIN = 32
+"""Below this many candidates :meth:`CostScorer.score_top` costs them all (pruning saves nothing)."""
+
+_ROUNDING = 1.0 + 1e-9
+"""The pruning limit is widened by this factor: the bound and the cost round differently."""
+_MODEL = attrgetter("model")
+_RATE = attrgetter("prefill_rate")
+_BASE = attrgetter("step_base_s")
+_PER_SEQ = attrgetter("step_per_seq_s")
 
 
 def queued_and_running(e: EndpointState) -> tuple[float, float]:
@@ -121,9 +133,78 @@ class CostScorer:
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
         est = self._costs(cycle, endpoints, self.miss_penalty)
         key = min(est, key=est.__getitem__)
+        return self._scores(cycle, est, key, next(e for e in endpoints if e.key == key).model.step_base_s)
+
+    def score_top(self, cycle: Cycle, endpoints: Sequence[EndpointState], slack: float) -> dict[str, float]:
+        """:meth:`score`'s exact scores for a subset of ``endpoints`` that holds every endpoint
+        scoring at least ``1 - slack`` (the best scores 1), so that a profile whose other scorers
+        weigh ``slack`` times this one's weight or less picks the same (``Profile.run``).
+
+        Only the endpoints that can reach that score are costed: a lower bound on ``cost(e)``
+        that needs no load, ``lb(d) = (1 + miss_penalty) * uncached(d) / max rate + min
+        step_base`` for an endpoint holding ``d`` blocks (``queued``, ``running`` and
+        ``step_per_seq`` are never negative), orders them. The deepest holders are costed
+        first; then every endpoint whose bound is at most ``limit = max(best + max step_base,
+        best / (1 - slack))`` (``best``: the cheapest cost so far), the non-holders last and only
+        if their common bound is. An endpoint left out costs more than ``limit``, so it is
+        neither tied with the best (within its ``step_base``) nor at ``1 - slack``. The
+        per-endpoint terms come from ``_costs`` itself, so the formula lives in one place.
+
+        Same scores as :meth:`score` for the endpoints returned, hence the same winners; the
+        cheapest endpoint is the first in ``endpoints``' order among equal costs, as there."""
+        models = list(map(_MODEL, endpoints))
+        rates = list(map(_RATE, models))
+        if (
+            len(endpoints) < PRUNE_MIN
+            or slack >= 1.0
+            or cycle.block_tokens <= 0
+            or min(rates) <= 0
+            or min(map(_PER_SEQ, models)) < 0
+        ):
+            return self.score(cycle, endpoints)
+        penalty, prompt, block_tokens = self.miss_penalty, cycle.prompt_tokens, cycle.block_tokens
+        bases = list(map(_BASE, models))
+        slope, floor, widest = (1.0 + penalty) / max(rates), min(bases), max(bases)
+        mget = cycle.matches.get
+        depths = [mget(e.key, 0) for e in endpoints]
+        deepest = max(depths)
+        costs = self._costs
+        est: dict[str, float] = {}
+        costed: list[EndpointState] = []
+        limit = float("inf")
+        if deepest > 0:  # the deepest holders first, for a limit...
+            costed = [e for e, d in zip(endpoints, depths, strict=True) if d == deepest]
+            est = costs(cycle, costed, penalty)
+            best = min(est.values())
+            limit = max(best + widest, best / (1.0 - slack)) * _ROUNDING
+            # ...then every holder whose bound is within it: uncached(d) <= room, that is
+            # d * block_tokens >= prompt - room (one block less, for the rounding of int()).
+            room = (limit - floor) / slope
+            shallowest = max(1, int((prompt - room) / block_tokens) - 1) if room < prompt else 1
+            if shallowest < deepest:
+                more = [e for e, d in zip(endpoints, depths, strict=True) if shallowest <= d < deepest]
+                if more:
+                    costed += more
+                    est.update(costs(cycle, more, penalty))
+                    best = min(est.values())
+                    limit = max(best + widest, best / (1.0 - slack)) * _ROUNDING
+        if prompt * slope + floor <= limit:  # a non-holder can still win: cost them all
+            more = [e for e, d in zip(endpoints, depths, strict=True) if not d]
+            costed += more
+            est.update(costs(cycle, more, penalty))
+        best = min(est.values())
+        # score()'s cheapest: the first in endpoints' order among equal costs
+        cheapest = [e for e in costed if est[e.key] == best]
+        if len(cheapest) > 1:
+            cheapest = [e for e in endpoints if est.get(e.key) == best]
+        return self._scores(cycle, est, cheapest[0].key, cheapest[0].model.step_base_s)
+
+    @staticmethod
+    def _scores(cycle: Cycle, est: dict[str, float], key: str, step_base: float) -> dict[str, float]:
+        """Scores from costs, ``key`` the cheapest (its ``step_base`` is the tie's width)."""
         best = est[key]
         # Within one engine step of the best is a tie (score 1, broken at random by the picker)...
-        tie = best + next(e for e in endpoints if e.key == key).model.step_base_s
+        tie = best + step_base
         scores = {k: 1.0 if v <= tie else best / v for k, v in est.items()}
         # ...except that the tied endpoints holding the most of the prompt win it.
         matches = cycle.matches

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from picker.core.endpoints.types import EndpointState
+from picker.core.endpoints.types import NOT_ROUTABLE, EndpointState
 from picker.core.errors import Overloaded
 from picker.core.scheduling.types import Cycle
 
@@ -14,7 +14,7 @@ class ReadyFilter:
     """Keeps routable endpoints (not UNREACHABLE)."""
 
     def filter(self, cycle: Cycle, endpoints: list[EndpointState]) -> list[EndpointState]:
-        return [e for e in endpoints if e.routable]
+        return [e for e in endpoints if e.health not in NOT_ROUTABLE]  # e.routable, inline
 
 
 @dataclass
@@ -37,7 +37,10 @@ class NotSaturatedFilter:
         return m.waiting >= self.max_waiting or (m.kv_usage >= self.max_kv_usage and m.waiting > 0)
 
     def filter(self, cycle: Cycle, endpoints: list[EndpointState]) -> list[EndpointState]:
-        kept = [e for e in endpoints if not self.saturated(e)]
+        most, full = self.max_waiting, self.max_kv_usage  # saturated(), inline (per endpoint)
+        kept = [
+            e for e in endpoints if (m := e.metrics).waiting < most and (m.kv_usage < full or m.waiting <= 0)
+        ]
         if kept or not endpoints:
             return kept
         if not self.shed:
@@ -75,7 +78,11 @@ class LoadGuardFilter:
     def filter(self, cycle: Cycle, endpoints: list[EndpointState]) -> list[EndpointState]:
         if len(endpoints) < 2:
             return endpoints
-        loads = [self.load(e) for e in endpoints]
+        loads: list[float] = []  # load(), inline (it runs per endpoint per request)
+        for e in endpoints:
+            m, sent = e.metrics, e.load.in_flight_requests + e.peer_load.in_flight_requests
+            scraped = m.running + m.waiting
+            loads.append(sent if sent > scraped else scraped)
         least = min(loads)
         limit = max(least * self.rel, least + self.abs_slack)
         return [e for e, load in zip(endpoints, loads, strict=True) if load <= limit]

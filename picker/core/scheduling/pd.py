@@ -216,15 +216,17 @@ class PDHandler:
         prefill_candidates: list[EndpointState],
         k: int,
         commit: bool = True,
+        prune: bool = True,
     ) -> tuple[Result, PDResult]:
         """Raises :class:`~picker.core.errors.NoEndpoints` when no decode candidate survives the
-        decode profile's filters; with no prefill candidate left, the request is not disaggregated."""
-        result = decode_profile.run(cycle, decode_candidates, k, commit)
+        decode profile's filters; with no prefill candidate left, the request is not disaggregated.
+        ``prune``: as :meth:`Profile.run`'s."""
+        result = decode_profile.run(cycle, decode_candidates, k, commit, prune)
         if not prefill_candidates or result.chosen[0].endpoint.role == BOTH:
             # A ``both`` pod runs no sidecar (llm-d's roles): it prefills its own requests.
             return result, PDResult(None, None)
         try:
-            pre = prefill_profile.run(cycle, prefill_candidates, 1, commit=False)
+            pre = prefill_profile.run(cycle, prefill_candidates, 1, commit=False, prune=prune)
         except PickerError:  # the prefill profile's filters left none (or would shed): decode locally
             return result, PDResult(None, None)
         p = pre.chosen[0]

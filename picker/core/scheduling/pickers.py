@@ -23,6 +23,12 @@ class MaxScorePicker:
         self, scores: Mapping[str, float], endpoints: Sequence[EndpointState], k: int
     ) -> list[EndpointState]:
         rnd = self._rng.random
+        if k == 1 and len(scores) < len(endpoints) and scores and max(scores.values()) > 0:
+            # Sparse scores (a pruned profile, ``Profile.run``): only the scored can win. One draw
+            # per endpoint all the same, so a seed makes the same picks as the pass below.
+            draws = [rnd() for _ in range(len(endpoints))]
+            scored = [i for i, e in enumerate(endpoints) if e.key in scores]
+            return [endpoints[max(scored, key=lambda i: (scores[endpoints[i].key], draws[i]))]]
         if k == 1:  # the usual case (no fallbacks): one pass, no sort
             return [max(endpoints, key=lambda e: (scores.get(e.key, 0.0), rnd()))]
         ranked = sorted(endpoints, key=lambda e: (scores.get(e.key, 0.0), rnd()), reverse=True)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from picker.core.endpoints.types import EndpointState
 from picker.core.errors import NoEndpoints
-from picker.core.scheduling.types import Cycle, Filter, Picker, PostPick, Scorer
+from picker.core.scheduling.types import Cycle, Filter, Picker, PostPick, Scorer, TopScorer
 
 PluginTimer = Callable[[str, float], None]
 
@@ -32,13 +33,31 @@ class Profile:
     picker: tuple[str, Picker]
     timer: PluginTimer | None = field(default=None, repr=False)
     _post_pick: list[PostPick] = field(init=False, repr=False)
+    _top: tuple[int, float] | None = field(init=False, repr=False)
+    """(index, slack) of the scorer that may prune (:meth:`run`), or None."""
 
     def __post_init__(self) -> None:
         # isinstance() against a runtime Protocol is slow: decide once, not per cycle.
         self._post_pick = [s for _, s, _ in self.scorers if isinstance(s, PostPick)]
+        self._top = None
+        weights = [w for _, _, w in self.scorers]
+        if weights and min(weights) >= 0 and max(weights) > 0:
+            i = weights.index(max(weights))
+            slack = (sum(weights) - weights[i]) / weights[i]
+            if slack < 1.0 and isinstance(self.scorers[i][1], TopScorer):
+                self._top = (i, slack)
 
-    def run(self, cycle: Cycle, endpoints: list[EndpointState], k: int, commit: bool = True) -> Result:
-        """One cycle. With ``commit=False`` (explain) no plugin learns of the pick."""
+    def run(
+        self, cycle: Cycle, endpoints: list[EndpointState], k: int, commit: bool = True, prune: bool = True
+    ) -> Result:
+        """One cycle. With ``commit=False`` (explain) no plugin learns of the pick.
+
+        With ``prune`` (and one endpoint to pick) a :class:`TopScorer` that outweighs the other
+        scorers together (their weights sum to ``slack`` times its weight, ``slack < 1``) scores
+        only the endpoints within ``slack`` of its best: one it leaves out scores below
+        ``best - slack`` there, so its total is below ``weight * best``, the least total of the
+        endpoint it scores best. The pick is the same; ``Result.scores`` then holds only the
+        endpoints scored (an endpoint left out counts 0, and cannot win)."""
         assert k >= 1, f"must pick at least one endpoint, asked for {k}"
         timer, clock = self.timer, time.perf_counter
         for name, f in self.filters:
@@ -48,13 +67,24 @@ class Profile:
                 timer(name, clock() - t0)
             if not endpoints:
                 raise NoEndpoints(f"no ready endpoint (filter {name!r} left none)")
-        totals = dict.fromkeys([e.key for e in endpoints], 0.0)
+        top = self._top if prune and k == 1 else None
+        totals: dict[str, float] = {} if top else dict.fromkeys([e.key for e in endpoints], 0.0)
         per_scorer: dict[str, dict[str, float]] = {}
-        for name, s, weight in self.scorers:
+        if top:  # the pruning scorer first: its endpoints are the only ones totalled
+            name, s, _ = self.scorers[top[0]]
             t0 = clock()
-            scores = s.score(cycle, endpoints)
+            per_scorer[name] = cast(TopScorer, s).score_top(cycle, endpoints, top[1])
             if timer:
                 timer(name, clock() - t0)
+            totals = dict.fromkeys(per_scorer[name], 0.0)
+        for i, (name, s, weight) in enumerate(self.scorers):
+            if top and i == top[0]:
+                scores = per_scorer[name]
+            else:
+                t0 = clock()
+                scores = s.score(cycle, endpoints)
+                if timer:
+                    timer(name, clock() - t0)
             per_scorer[name] = scores
             for key, v in scores.items():
                 if key in totals:  # clamped to [0, 1] (NaN counts as 0)

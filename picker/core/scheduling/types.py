@@ -49,6 +49,17 @@ class Scorer(Protocol):
         ...
 
 
+@runtime_checkable
+class TopScorer(Protocol):
+    """A scorer that can leave out endpoints that cannot win (optional; :class:`Profile` uses it
+    when this scorer outweighs all the others together)."""
+
+    def score_top(self, cycle: Cycle, endpoints: Sequence[EndpointState], slack: float) -> dict[str, float]:
+        """``score``'s values for a subset of ``endpoints`` holding every endpoint whose score is
+        at least the best score minus ``slack``."""
+        ...
+
+
 class Picker(Protocol):
     def pick(
         self, scores: Mapping[str, float], endpoints: Sequence[EndpointState], k: int
