@@ -84,7 +84,7 @@ def _router(n: int, max_blocks: int, mode: str = "precise") -> Router:
 
 
 def _fill_approximate(
-    router: Router, keys: list[str], text: str, fill_blocks: int, rng: random.Random
+    router: Router, keys: list[str], text: str, fill_blocks: int, rng: random.Random, holders: int = 0
 ) -> None:
     """:func:`_fill` for the approximate index: every endpoint was sent ``fill_blocks`` blocks of
     other text and a different-length piece of ``text``'s first 75%."""
@@ -94,34 +94,40 @@ def _fill_approximate(
     shared = len(whole) * 3 // 4
     for i, key in enumerate(keys):
         router.index.record(key, [rng.getrandbits(63) for _ in range(fill_blocks)])
-        depth = shared * (i + 1) // len(keys)
+        depth = shared * (i + 1) // len(keys) if i >= len(keys) - (holders or len(keys)) else 0
         if depth:
             router.index.record(key, whole[:depth])
 
 
 def _fill(
-    index: PreciseIndex, keys: list[str], prompt: list[int], fill_blocks: int, rng: random.Random
+    index: PreciseIndex,
+    keys: list[str],
+    prompt: list[int],
+    fill_blocks: int,
+    rng: random.Random,
+    holders: int = 0,
 ) -> None:
-    """Other traffic on every endpoint, and a piece of ``prompt``'s shared prefix on each."""
+    """Other traffic on every endpoint, and a piece of ``prompt``'s shared prefix on each (on the
+    last ``holders`` only, the deepest pieces, if not 0)."""
     shared = len(prompt) * 3 // 4 // BS * BS
     eh = iter(range(1, 1 << 62))
     for i, key in enumerate(keys):
         other = [rng.randrange(2048) for _ in range(fill_blocks * BS)]
         index.stored(key, [next(eh) for _ in range(fill_blocks)], None, other, BS, None)
-        depth = shared * (i + 1) // len(keys) // BS * BS
+        depth = shared * (i + 1) // len(keys) // BS * BS if i >= len(keys) - (holders or len(keys)) else 0
         if depth:
             index.stored(key, [next(eh) for _ in range(depth // BS)], None, prompt[:depth], BS, None)
 
 
 def hot_path_approximate(
-    tokens: int, iters: int, fill_blocks: int, seed: int = 0, endpoints: int = ENDPOINTS
+    tokens: int, iters: int, fill_blocks: int, seed: int = 0, endpoints: int = ENDPOINTS, holders: int = 0
 ) -> Timing:
     """The whole decision in approximate mode (no token ids: the routing text is hashed), the
     index filled as :func:`_fill_approximate` says."""
     rng = random.Random(seed)
     text = " ".join(str(rng.randrange(2048)) for _ in range(tokens))  # ~4.5 chars a "token"
     router = _router(endpoints, 0, "approximate")
-    _fill_approximate(router, [s.key for s in router.pool], text, fill_blocks, rng)
+    _fill_approximate(router, [s.key for s in router.pool], text, fill_blocks, rng, holders)
     req = InferenceRequest(model="m", routing_text=text)
 
     def decide() -> None:
@@ -131,7 +137,7 @@ def hot_path_approximate(
 
 
 def hot_path(
-    tokens: int, iters: int, fill_blocks: int, seed: int = 0, endpoints: int = ENDPOINTS
+    tokens: int, iters: int, fill_blocks: int, seed: int = 0, endpoints: int = ENDPOINTS, holders: int = 0
 ) -> tuple[list[Timing], int]:
     rng = random.Random(seed)
     prompt = [rng.randrange(2048) for _ in range(tokens)]
@@ -141,7 +147,7 @@ def hot_path(
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    _fill(router.precise, keys, prompt, fill_blocks, rng)
+    _fill(router.precise, keys, prompt, fill_blocks, rng, holders)
     index_bytes = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     text = " ".join(map(str, prompt))
@@ -260,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--approximate", action="store_true", help="also time the whole decision in approximate mode"
     )
+    p.add_argument(
+        "--holders",
+        type=int,
+        default=0,
+        help="endpoints holding a piece of the prompt (0: all, the worst case)",
+    )
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: this thread's CPU time")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -270,10 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(x) for x in a.endpoints.split(",")]
     for n in map(int, a.tokens.split(",")):
         for i, count in enumerate(counts):
-            timings, mem = hot_path(n, a.iters, a.fill_blocks, endpoints=count)
+            timings, mem = hot_path(n, a.iters, a.fill_blocks, endpoints=count, holders=a.holders)
             rows += timings
             if a.approximate:
-                rows.append(hot_path_approximate(n, a.iters, a.fill_blocks, endpoints=count))
+                rows.append(
+                    hot_path_approximate(n, a.iters, a.fill_blocks, endpoints=count, holders=a.holders)
+                )
             if i == 0:
                 memory[n] = mem
     if not a.no_tokenize:

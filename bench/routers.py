@@ -1,6 +1,6 @@
 """Routers under test, each started in front of the same fleet and stopped afterwards.
 
-- ``cost``, ``weighted``, ``round-robin``, ``least-loaded``: our picker (``python -m picker``,
+- ``cost``, ``round-robin``, ``least-loaded``: our picker (``python -m picker``,
   TLS ext_proc) behind a real Envoy rendered by ``deploy/envoy/render.py`` (pool upstream), run
   as the chart ships it: ``prefix.mode: auto`` on the replicas' KV events (``bench.fleet``), the
   prompts tokenized by the replicas' own ``/tokenize`` (precise matching, as with the chart's
@@ -31,7 +31,7 @@ from kvlaunch import PY, Procs, Stack, free_port, http, wait_port
 if TYPE_CHECKING:  # not at run time: bench.device's peers-only kit has no picker dependencies
     from .fleet import Fleet
 
-PICKER_POLICIES = ("cost", "cost-approximate", "weighted", "round-robin", "least-loaded")
+PICKER_POLICIES = ("cost", "cost-approximate", "round-robin", "least-loaded")
 PEERS = ("vllm-router", "sglang-router")
 APPROXIMATE = "-approximate"
 """A router name ending so runs the picker policy before it in approximate prefix mode."""

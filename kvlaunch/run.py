@@ -137,9 +137,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--replicas", type=int, default=4)
-    p.add_argument(
-        "--policy", default="cost", help="picker policy: cost, weighted, round-robin, least-loaded"
-    )
+    p.add_argument("--policy", default="cost", help="picker policy: cost, round-robin, least-loaded")
     p.add_argument("--port", type=int, default=8080, help="Envoy listener port")
     p.add_argument(
         "--listen-host",

@@ -13,7 +13,7 @@ Example ``--config-file``::
     prefix: {mode: auto, kv_events_port: 5557, tokenizer: /models/llama}   # precise: KV events
     calibration: {default_prefill_rate: 10000, prior_scrapes: 8, window: 64}   # picker.core.calibration
     pd: {enabled: true, decider: cost, link_bytes_per_s: 5.0e10}   # prefill/decode disaggregation (docs/pd.md)
-    profiles:              # add or override policies; built-ins: cost, weighted, round-robin, least-loaded
+    profiles:              # add or override policies; built-ins: cost, round-robin, least-loaded
       my-policy:
         filters: [{type: ready}, {type: not-saturated, params: {max_waiting: 32}}]
         scorers: [{type: prefix, weight: 2}, {type: queue, weight: 1}]

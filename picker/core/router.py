@@ -207,7 +207,7 @@ class Router:
         keys = self.keys_of(req, bs)
         now = self.clock()
         matches = self.precise.match_many(exact, keys, now)
-        rest = [e.key for e in candidates if e.key not in matches]
+        rest = [e.key for e in candidates if e.key not in matches] if len(exact) < len(candidates) else []
         hashes: list[int] = []
         if rest:
             seed = seed_for(req.model, req.lora, req.cache_salt)

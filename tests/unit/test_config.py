@@ -31,7 +31,7 @@ def test_defaults() -> None:
     cfg = config.RouterConfig()
     assert cfg.policy == "cost" and cfg.hashing == HashConfig(64, 2048)
     assert cfg.index.capacity_blocks == 31_250 and cfg.scrape.interval_s == 0.2
-    assert {"cost", "weighted", "round-robin", "least-loaded"} <= set(cfg.profiles)
+    assert {"cost", "round-robin", "least-loaded"} <= set(cfg.profiles)
 
 
 def test_yaml_overlay_and_custom_profile(tmp_path: Path) -> None:

@@ -78,11 +78,12 @@ class LoadGuardFilter:
     def filter(self, cycle: Cycle, endpoints: list[EndpointState]) -> list[EndpointState]:
         if len(endpoints) < 2:
             return endpoints
-        loads: list[float] = []  # load(), inline (it runs per endpoint per request)
-        for e in endpoints:
-            m, sent = e.metrics, e.load.in_flight_requests + e.peer_load.in_flight_requests
-            scraped = m.running + m.waiting
-            loads.append(sent if sent > scraped else scraped)
+        # load(), inline (it runs per endpoint per request)
+        sent = [e.load.in_flight_requests + e.peer_load.in_flight_requests for e in endpoints]
+        loads = [
+            s if s > (r := e.metrics.running + e.metrics.waiting) else r
+            for e, s in zip(endpoints, sent, strict=True)
+        ]
         least = min(loads)
         limit = max(least * self.rel, least + self.abs_slack)
         return [e for e, load in zip(endpoints, loads, strict=True) if load <= limit]

@@ -101,17 +101,6 @@ class Profile:
 
 
 BUILTIN_POLICIES: Mapping[str, Mapping[str, object]] = {
-    # GIE's default: prefix 3, queue 2, KV 2, max-score. Kept for comparison.
-    "weighted": {
-        "filters": [{"type": "ready"}, {"type": "not-saturated"}],
-        "scorers": [
-            {"type": "prefix", "weight": 3},
-            {"type": "queue", "weight": 2},
-            {"type": "kv-cache", "weight": 2},
-            {"type": "lora-affinity", "weight": 1},
-        ],
-        "picker": {"type": "max-score"},
-    },
     # Ours: minimum estimated TTFT, with a load guard against hot-prefix pile-up.
     "cost": {
         "filters": [{"type": "ready"}, {"type": "not-saturated"}, {"type": "load-guard"}],
