@@ -125,7 +125,7 @@ def test_pruned_profile_picks_as_the_exhaustive_one(
 
 def test_profile_prunes_only_behind_a_dominant_cost_scorer() -> None:
     """Pruning needs the cost scorer to outweigh the others together (slack < 1)."""
-    assert build_profile("cost", BUILTIN_POLICIES["cost"])._top == (0, 0.2)
+    assert build_profile("cost", BUILTIN_POLICIES["cost"])._top == (0, 0.2, PRUNE_MIN)
     even = {"scorers": [{"type": "cost", "weight": 1}, {"type": "prefix", "weight": 1}]}
     assert build_profile("even", even)._top is None
     assert build_profile("ll", BUILTIN_POLICIES["least-loaded"])._top is None

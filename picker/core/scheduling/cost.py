@@ -58,6 +58,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import ClassVar
 
 from picker.core.endpoints.types import EndpointState
 from picker.core.scheduling.types import Cycle
@@ -96,6 +97,9 @@ def queued_and_running(e: EndpointState) -> tuple[float, float]:
 class CostScorer:
     miss_penalty: float = 1.0
     """Extra charge per uncached token, in units of its own prefill time (0: rank by TTFT alone)."""
+
+    prune_min: ClassVar[int] = PRUNE_MIN
+    """:class:`~picker.core.scheduling.types.TopScorer`'s: fewer candidates are all costed."""
 
     def __post_init__(self) -> None:
         if self.miss_penalty < 0:
@@ -152,15 +156,11 @@ class CostScorer:
 
         Same scores as :meth:`score` for the endpoints returned, hence the same winners; the
         cheapest endpoint is the first in ``endpoints``' order among equal costs, as there."""
+        if len(endpoints) < PRUNE_MIN or slack >= 1.0 or cycle.block_tokens <= 0:
+            return self.score(cycle, endpoints)
         models = list(map(_MODEL, endpoints))
         rates = list(map(_RATE, models))
-        if (
-            len(endpoints) < PRUNE_MIN
-            or slack >= 1.0
-            or cycle.block_tokens <= 0
-            or min(rates) <= 0
-            or min(map(_PER_SEQ, models)) < 0
-        ):
+        if min(rates) <= 0 or min(map(_PER_SEQ, models)) < 0:
             return self.score(cycle, endpoints)
         penalty, prompt, block_tokens = self.miss_penalty, cycle.prompt_tokens, cycle.block_tokens
         bases = list(map(_BASE, models))

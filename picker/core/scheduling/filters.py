@@ -79,10 +79,10 @@ class LoadGuardFilter:
         if len(endpoints) < 2:
             return endpoints
         # load(), inline (it runs per endpoint per request)
-        sent = [e.load.in_flight_requests + e.peer_load.in_flight_requests for e in endpoints]
         loads = [
-            s if s > (r := e.metrics.running + e.metrics.waiting) else r
-            for e, s in zip(endpoints, sent, strict=True)
+            sent if sent > (scraped := e.metrics.running + e.metrics.waiting) else scraped
+            for e in endpoints
+            for sent in [e.load.in_flight_requests + e.peer_load.in_flight_requests]
         ]
         least = min(loads)
         limit = max(least * self.rel, least + self.abs_slack)

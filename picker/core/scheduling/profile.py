@@ -33,8 +33,8 @@ class Profile:
     picker: tuple[str, Picker]
     timer: PluginTimer | None = field(default=None, repr=False)
     _post_pick: list[PostPick] = field(init=False, repr=False)
-    _top: tuple[int, float] | None = field(init=False, repr=False)
-    """(index, slack) of the scorer that may prune (:meth:`run`), or None."""
+    _top: tuple[int, float, int] | None = field(init=False, repr=False)
+    """(index, slack, fewest candidates) of the scorer that may prune (:meth:`run`), or None."""
 
     def __post_init__(self) -> None:
         # isinstance() against a runtime Protocol is slow: decide once, not per cycle.
@@ -44,8 +44,9 @@ class Profile:
         if weights and min(weights) >= 0 and max(weights) > 0:
             i = weights.index(max(weights))
             slack = (sum(weights) - weights[i]) / weights[i]
-            if slack < 1.0 and isinstance(self.scorers[i][1], TopScorer):
-                self._top = (i, slack)
+            top = self.scorers[i][1]
+            if slack < 1.0 and isinstance(top, TopScorer):
+                self._top = (i, slack, top.prune_min)
 
     def run(
         self, cycle: Cycle, endpoints: list[EndpointState], k: int, commit: bool = True, prune: bool = True
@@ -67,7 +68,7 @@ class Profile:
                 timer(name, clock() - t0)
             if not endpoints:
                 raise NoEndpoints(f"no ready endpoint (filter {name!r} left none)")
-        top = self._top if prune and k == 1 else None
+        top = self._top if prune and k == 1 and self._top and len(endpoints) >= self._top[2] else None
         totals: dict[str, float] = {} if top else dict.fromkeys([e.key for e in endpoints], 0.0)
         per_scorer: dict[str, dict[str, float]] = {}
         if top:  # the pruning scorer first: its endpoints are the only ones totalled

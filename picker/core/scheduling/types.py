@@ -54,6 +54,9 @@ class TopScorer(Protocol):
     """A scorer that can leave out endpoints that cannot win (optional; :class:`Profile` uses it
     when this scorer outweighs all the others together)."""
 
+    prune_min: int
+    """Below this many candidates pruning saves nothing: ``Profile`` calls ``score``."""
+
     def score_top(self, cycle: Cycle, endpoints: Sequence[EndpointState], slack: float) -> dict[str, float]:
         """``score``'s values for a subset of ``endpoints`` holding every endpoint whose score is
         at least the best score minus ``slack``."""
