@@ -147,11 +147,34 @@ def held(d: Any, key: str, doc: dict[str, Any]) -> int:
     return len(ids)
 
 
+def workload_docs(name: str, tokens: int, requests: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(warm-up requests, measured requests) of workload ``name`` (``cold``, ``conversation`` or
+    ``document``), as chat documents. The warm-up sends the shared part twice (a progressive
+    tokenization reads a cold prompt's ids once it is held); the conversation's turns carry the
+    earlier turns' answers."""
+    rng = random.Random(1)
+    history: list[dict[str, str]] = [{"role": "system", "content": corpus(tokens, 7)}]
+    warm = [{"messages": list(history)}] * 2 if name in ("conversation", "document") else []
+    docs: list[dict[str, Any]] = []
+    for i in range(requests):
+        if name == "cold":
+            doc = {"messages": [{"role": "user", "content": corpus(tokens, 1000 + i)}]}
+        elif name == "conversation":
+            history.append({"role": "user", "content": corpus(500, 2000 + i)})
+            doc = {"messages": list(history)}
+            history.append({"role": "assistant", "content": f"answer {rng.randrange(1000)}"})
+        else:
+            doc = {
+                "messages": [*history, {"role": "user", "content": f"Question {i}: {corpus(40, 3000 + i)}?"}]
+            }
+        docs.append(doc)
+    return warm, docs
+
+
 async def workload(
     name: str, tok: pathlib.Path, endpoints: int, tokens: int, requests: int
 ) -> dict[str, Any]:
     d = build(tok, endpoints)
-    rng = random.Random(1)
     cpu = 0.0
     errors: list[float] = []
     landed: Counter[str] = Counter()
@@ -179,21 +202,11 @@ async def workload(
             "peak_mib": peak_mib(),
             "ids": max(ids_held),
         }
-    history: list[dict[str, str]] = [{"role": "system", "content": corpus(tokens, 7)}]
-    if name in ("conversation", "document"):  # steady state: the shared part held, its ids cached
-        for w in range(2):  # (a progressive tokenization reads a cold prompt's ids once it is held)
-            key, _ = await one(d, body_of({"messages": history}), f"warm{w}")
-            held(d, key, {"messages": history})
-    for i in range(requests):
-        if name == "cold":
-            doc = {"messages": [{"role": "user", "content": corpus(tokens, 1000 + i)}]}
-        elif name == "conversation":
-            history.append({"role": "user", "content": corpus(500, 2000 + i)})
-            doc = {"messages": list(history)}
-        else:
-            doc = {
-                "messages": [*history, {"role": "user", "content": f"Question {i}: {corpus(40, 3000 + i)}?"}]
-            }
+    warm, docs = workload_docs(name, tokens, requests)
+    for w, doc in enumerate(warm):  # steady state: the shared part held, its ids cached
+        key, _ = await one(d, body_of(doc), f"warm{w}")
+        held(d, key, doc)
+    for i, doc in enumerate(docs):
         body = body_of(doc)
         c0 = cpu_s()
         key, req = await one(d, body, f"r{i}")
@@ -203,8 +216,6 @@ async def workload(
         if est:
             errors.append((est - whole) / whole)
         ids_held.append(len(req.prompt_token_ids))
-        if name == "conversation":
-            history.append({"role": "assistant", "content": f"answer {rng.randrange(1000)}"})
     return {
         "cpu_ms": cpu * 1000 / requests,
         "peak_mib": peak_mib(),
