@@ -138,7 +138,7 @@ def run_one(
         st.wait_routable({"model": "m", "messages": [{"role": "user", "content": "warm up"}]}, path=CHAT)
         url = st.url + CHAT
 
-        async def go() -> tuple[list[int], float, float, float, float]:
+        async def go() -> tuple[list[int], float, float, float]:
             timeout = aiohttp.ClientTimeout(total=120)
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 for w, body in enumerate(warm):
@@ -151,9 +151,9 @@ def run_one(
                 statuses = await send(http, url, bodies, ids, args.interval)
                 await asyncio.sleep(args.tail)
                 c1, t1 = cpu_s(proc.pid), time.monotonic()
-            return statuses, (i1 - i0) / (t0 - t_idle), c1 - i1, t1 - t0, 0.0
+            return statuses, (i1 - i0) / (t0 - t_idle), c1 - i1, t1 - t0
 
-        statuses, idle_rate, cpu, seconds, _ = asyncio.run(go())
+        statuses, idle_rate, cpu, seconds = asyncio.run(go())
     finally:
         stop_picker(st)
     ok = sum(s == 200 for s in statuses)
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     tok = tokenizer_dir(pathlib.Path(args.tmp))
     names = args.workloads.split(",")
-    payloads = {}
+    payloads: dict[str, tuple[list[bytes], list[bytes]]] = {}
     for name in names:
         warm, docs = workload_docs(name, args.tokens, args.requests)
         payloads[name] = ([body_of(d) for d in warm], [body_of(d) for d in docs])
@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(args.repeats):
                 for name in names:
                     for label, root in roots.items():  # interleaved: this, compare, this, ...
-                        warm, bodies = payloads[name]
-                        res = run_one(st, cfg, tok, root, name, f"{label}-{rep}-{name}", warm, bodies, args)
+                        first, bodies = payloads[name]
+                        res = run_one(st, cfg, tok, root, name, f"{label}-{rep}-{name}", first, bodies, args)
                         results.setdefault((name, label), []).append(res)
                         print(f"repeat {rep + 1} {name} {label}: {res}", file=sys.stderr, flush=True)
         finally:
