@@ -75,13 +75,13 @@ def tokenizer_dir(root: pathlib.Path) -> pathlib.Path:
     return out
 
 
-def cpu_s() -> float:
-    """CPU time of this process's threads (the worker threads' tokenizing included), from
-    ``/proc/self/task/*/schedstat`` (nanoseconds; ``/proc/self/stat`` counts 10 ms ticks)."""
+def cpu_s(pid: int | str = "self") -> float:
+    """CPU seconds of process ``pid``'s live threads (this process by default), from
+    ``/proc/PID/task/*/schedstat`` (nanoseconds; ``/proc/PID/stat`` counts 10 ms ticks)."""
     total = 0
-    for task in os.listdir("/proc/self/task"):
+    for task in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/self/task/{task}/schedstat") as f:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
                 total += int(f.read().split()[0])
         except (FileNotFoundError, ProcessLookupError):
             pass  # a thread that ended meanwhile

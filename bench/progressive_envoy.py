@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -43,24 +42,12 @@ from typing import Any
 
 import aiohttp
 
-from bench.progressive import BS, CHAT, body_of, tokenizer_dir, workload_docs
+from bench.progressive import BS, CHAT, body_of, cpu_s, tokenizer_dir, workload_docs
 from kvlaunch.procs import Procs, free_port
 from kvlaunch.stack import Stack
 
 WORKLOADS = ("cold", "conversation", "document")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds of process ``pid``'s live threads (``schedstat``'s run time, nanoseconds)."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass  # a thread that ended meanwhile
-    return total / 1e9
 
 
 def picker_config(path: pathlib.Path, tok: pathlib.Path, kv_port: int) -> pathlib.Path:

@@ -228,14 +228,7 @@ def test_match_many_over_long_prompts_held_in_runs(data: st.DataObject) -> None:
         apply(idx, e, [Removed([h for h, w in zip(hashes, way, strict=True) if w in ("spec", "none")])])
         idx.speculate(e, [k for k, w in zip(keys, way, strict=True) if w in ("spec", "both")], 0.0)
     q = keys[: rng.randrange(len(keys) + 1)]
-    got = idx.match_many([*eps, "unknown"], q, 0.0)
-    assert got["unknown"] == 0
-    for e in eps:
-        held, n = idx.holds(e) | set(idx._spec_until.get(idx._slots.get(e, -1), {})), 0
-        while n < len(q) and q[n] in held:
-            n += 1
-        assert got[e] == n, e
-    idx.check()
+    assert_matches_a_naive_walk(idx, eps, q)
 
 
 @settings(max_examples=60, deadline=None)
@@ -256,14 +249,7 @@ def test_match_many_equals_a_walk_per_endpoint(data: st.DataObject) -> None:
             idx.speculate(e, request_keys(rng.choice(prompts), BS), 0.0)
     q = rng.choice(prompts) + [1] * BS
     keys = request_keys(q, BS)
-    got = idx.match_many([*eps, "unknown"], keys, 0.0)
-    assert got["unknown"] == 0
-    for e in eps:
-        held, n = idx.holds(e) | set(idx._spec_until.get(idx._slots.get(e, -1), {})), 0
-        while n < len(keys) and keys[n] in held:
-            n += 1
-        assert got[e] == n, e
-    idx.check()
+    assert_matches_a_naive_walk(idx, eps, keys)
 
 
 def test_decoder_reads_vllm_forms_and_skips_other_tiers() -> None:
@@ -429,3 +415,16 @@ def test_which_endpoints_are_routed_precisely(mode: str, state: State, precise: 
     assert (d.keys is not None) is precise
     off = Router(RouterConfig(), pool)
     assert off.precise is None and not off.is_precise("10.0.0.1:8000")
+
+
+def assert_matches_a_naive_walk(idx: PreciseIndex, eps: list[str], keys: list[int]) -> None:
+    """``match_many`` gives every endpoint (and an unknown one, 0) the length of a naive walk over
+    its confirmed and speculative keys; the index's invariants hold."""
+    got = idx.match_many([*eps, "unknown"], keys, 0.0)
+    assert got["unknown"] == 0
+    for e in eps:
+        held, n = idx.holds(e) | set(idx._spec_until.get(idx._slots.get(e, -1), {})), 0
+        while n < len(keys) and keys[n] in held:
+            n += 1
+        assert got[e] == n, e
+    idx.check()
