@@ -154,7 +154,10 @@ class PreciseIndex:
         """Per slot: our key → engine hashes beyond the first that carry it (rarely non-empty)."""
         self._spec_mask: dict[int, int] = {}
         self._spec_until: dict[int, dict[int, float]] = {}
-        self._spec_queue: deque[tuple[float, int, list[int]]] = deque()
+        self._spec_queue: deque[tuple[float, int, tuple[int, ...]]] = deque()
+        """(expiry, slot, keys) per speculation, oldest first. The keys are a tuple: a tuple of ints
+        is untracked by the cyclic GC after its first collection, so a full collection does not walk
+        every queued key (a list of 100k-token prompt's keys would be walked in each)."""
         self._spec_count = 0
         self.block_size = 0
         """Tokens per block of the last ``BlockStored`` seen (what request keys must be cut by)."""
@@ -298,7 +301,7 @@ class PreciseIndex:
                 smask[k] = sget(k, 0) | bit
             until[k] = exp
         self._spec_count += len(until) - n0
-        self._spec_queue.append((exp, s, list(keys)))
+        self._spec_queue.append((exp, s, tuple(keys)))
         while self._spec_count > self.max_speculative and self._spec_queue:
             self._expire_one()
 
