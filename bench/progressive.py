@@ -75,9 +75,11 @@ def tokenizer_dir(root: pathlib.Path) -> pathlib.Path:
     return out
 
 
-def cpu_s(pid: int | str = "self") -> float:
+def cpu_s(pid: int | str = "self", children: bool = False) -> float:
     """CPU seconds of process ``pid``'s live threads (this process by default), from
-    ``/proc/PID/task/*/schedstat`` (nanoseconds; ``/proc/PID/stat`` counts 10 ms ticks)."""
+    ``/proc/PID/task/*/schedstat`` (nanoseconds; ``/proc/PID/stat`` counts 10 ms ticks).
+    ``children``: plus those of its live child processes, and theirs (the picker's body-parse
+    worker, :mod:`picker.serving.offload`, is one)."""
     total = 0
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
@@ -85,7 +87,26 @@ def cpu_s(pid: int | str = "self") -> float:
                 total += int(f.read().split()[0])
         except (FileNotFoundError, ProcessLookupError):
             pass  # a thread that ended meanwhile
-    return total / 1e9
+    seconds = total / 1e9
+    if children:
+        seconds += sum(cpu_s(child, children=True) for child in _children(pid))
+    return seconds
+
+
+def _children(pid: int | str) -> list[int]:
+    """The live processes whose parent is ``pid``."""
+    parent = os.getpid() if pid == "self" else int(pid)
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[1]) == parent:
+                out.append(int(entry))
+    return out
 
 
 def peak_mib() -> float:

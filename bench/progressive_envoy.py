@@ -13,7 +13,8 @@ the picker's own speculative entries (``prefix.speculative_ttl_s`` is set to 600
 shared part stays held over the run). The shared part of ``conversation`` and ``document`` is
 sent twice before the measured requests (not measured).
 
-CPU is the picker process's threads' run time from ``/proc/<pid>/task/*/schedstat``, over the
+CPU is the picker process's threads' run time from ``/proc/<pid>/task/*/schedstat``, its child
+processes' included (the body-parse worker that bodies of ``parse_offload_bytes`` or more go to), over the
 window from the first request sent to ``--tail`` seconds after the last answer (the work a pick
 leaves to the parse worker, such as a cold prompt's rest, counts), divided by the requests
 answered 200. The picker scrapes every endpoint's ``/metrics`` meanwhile (``scrape.interval_s``
@@ -131,13 +132,13 @@ def run_one(
                 for w, body in enumerate(warm):
                     await send(http, url, [body], [f"{tag}-warm{w}"], 0)
                 await asyncio.sleep(0.5)  # the warm-up's work in the parse worker
-                i0, t_idle = cpu_s(proc.pid), time.monotonic()
+                i0, t_idle = cpu_s(proc.pid, children=True), time.monotonic()
                 await asyncio.sleep(args.idle)
-                i1, t0 = cpu_s(proc.pid), time.monotonic()
+                i1, t0 = cpu_s(proc.pid, children=True), time.monotonic()
                 ids = [f"{tag}-{i}" for i in range(len(bodies))]
                 statuses = await send(http, url, bodies, ids, args.interval)
                 await asyncio.sleep(args.tail)
-                c1, t1 = cpu_s(proc.pid), time.monotonic()
+                c1, t1 = cpu_s(proc.pid, children=True), time.monotonic()
             return statuses, (i1 - i0) / (t0 - t_idle), c1 - i1, t1 - t0
 
         statuses, idle_rate, cpu, seconds = asyncio.run(go())
