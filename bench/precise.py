@@ -183,22 +183,9 @@ def _corpus(n: int, seed: int = 0) -> list[str]:
 def _tokenizer_dir(tmp: str) -> str:
     import pathlib
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from bench.progressive import write_bpe
 
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=2048, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(_corpus(2000), trainer)
-    out = pathlib.Path(tmp)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    (out / "chat_template.jinja").write_text(
-        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
-    )
+    write_bpe(pathlib.Path(tmp), _corpus(2000))
     return tmp
 
 

@@ -53,19 +53,26 @@ def corpus(tokens: int, seed: int) -> str:
 
 
 def tokenizer_dir(root: pathlib.Path) -> pathlib.Path:
+    """The bench's tokenizer under ``root/bpe``, trained on this module's word salad (kept)."""
     out = root / "bpe"
     if (out / "tokenizer.json").exists():
         return out
+    out.mkdir(parents=True, exist_ok=True)
+    return write_bpe(out, [corpus(200, s) for s in range(3000)])
+
+
+def write_bpe(out: pathlib.Path, texts: list[str]) -> pathlib.Path:
+    """A byte-level BPE of 2,048 ids trained on ``texts`` (the test model's kind: ``<s>``/``</s>``
+    specials, a one-line-per-message chat template), written as a model directory ``out``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=2048, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tok.train_from_iterator([corpus(200, s) for s in range(3000)], trainer)
+    tok.train_from_iterator(texts, trainer)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     (out / "chat_template.jinja").write_text(

@@ -71,16 +71,21 @@ def post_chunked(port: int, body: bytes, timeout: float = 30.0) -> tuple[int, by
         while chunk := s.recv(65536):
             got += chunk
     head, _, rest = got.partition(b"\r\n\r\n")
-    if b"transfer-encoding: chunked" in head.lower():  # undo the response's chunking
-        out = b""
-        while rest:
-            size, _, rest = rest.partition(b"\r\n")
-            n = int(size, 16)
-            if n == 0:
-                break
-            out, rest = out + rest[:n], rest[n + 2 :]
-        rest = out
+    if b"transfer-encoding: chunked" in head.lower():
+        rest = dechunk(rest)
     return int(head.split(b" ", 2)[1]), rest
+
+
+def dechunk(raw: bytes) -> bytes:
+    """The payload of an HTTP/1.1 chunked body (``raw``: what follows the response head)."""
+    out, rest = b"", raw
+    while rest:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            break
+        out, rest = out + rest[:n], rest[n + 2 :]
+    return out
 
 
 @dataclass

@@ -15,6 +15,7 @@ import time
 import pytest
 import yaml
 
+from bench.reliability.slowbody import dechunk
 from kvlaunch import Procs, Stack, free_port, post_json, stack
 from tests.support.metrics import extproc_messages
 
@@ -42,13 +43,7 @@ def _events(raw: bytes) -> list[bytes]:
     """The SSE ``data:`` payloads of a chunked HTTP/1.1 response, in order."""
     head, _, chunked = raw.partition(b"\r\n\r\n")
     assert b" 200 " in head.split(b"\r\n", 1)[0], head
-    body, rest = b"", chunked
-    while rest:
-        size_line, _, rest = rest.partition(b"\r\n")
-        size = int(size_line, 16)
-        if size == 0:
-            break
-        body, rest = body + rest[:size], rest[size + 2 :]
+    body = dechunk(chunked)
     return [line[len(b"data: ") :] for line in body.split(b"\n\n") if line.startswith(b"data: ")]
 
 

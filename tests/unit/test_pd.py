@@ -50,6 +50,14 @@ def make(decider: str = "cost", roles: str = "", **params: object) -> tuple[Rout
     return Router(cfg, pool, clock=clock), pool, clock
 
 
+def busy_decode(pool: Pool, running: int = 40) -> None:
+    """Both decode pods report ``running`` requests."""
+    for key in (D1, D2):
+        s = pool.get(key)
+        assert s is not None
+        s.metrics = EndpointMetrics(running=running)
+
+
 def req(text: str) -> InferenceRequest:
     return InferenceRequest(model="m", routing_text=text)
 
@@ -155,10 +163,7 @@ def test_the_prefill_pick_is_cache_aware() -> None:
 
 def test_cost_decider_disaggregates_a_long_cold_prompt_on_a_busy_decode_pod() -> None:
     router, pool, _ = make("cost")
-    for key in (D1, D2):
-        s = pool.get(key)
-        assert s is not None
-        s.metrics = EndpointMetrics(running=40)
+    busy_decode(pool)
     d = router.route(req(LONG))
     assert d.pd is not None and d.pd.verdict is not None
     assert d.prefill is not None, d.pd.verdict
@@ -173,10 +178,7 @@ def test_cost_decider_keeps_a_prefix_cached_on_the_decode_pod_local() -> None:
     d0 = router.route(req(LONG))
     assert d0.prefill is None, "an idle decode pod: nobody to stall, local"
     router.finish(router.start(d0))
-    for key in (D1, D2):
-        s = pool.get(key)
-        assert s is not None
-        s.metrics = EndpointMetrics(running=40)
+    busy_decode(pool)
     d = router.route(req(LONG + " q2"))
     assert d.primary.key == d0.primary.key, "the decode pick follows the cached prefix"
     assert d.prefill is None and d.pd is not None and d.pd.verdict is not None, d.pd
@@ -381,10 +383,7 @@ def test_pd_off_sets_no_prefiller_header() -> None:
 
 def test_explain_shows_the_pd_verdict() -> None:
     router, pool, _ = make("cost")
-    for key in (D1, D2):
-        s = pool.get(key)
-        assert s is not None
-        s.metrics = EndpointMetrics(running=40)
+    busy_decode(pool)
     doc = router.explain(req(LONG))
     pd = doc["pd"]
     assert isinstance(pd, dict) and pd["prefill"] in (P1, P2) and pd["decider"] == "cost"
