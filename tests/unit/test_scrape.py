@@ -6,15 +6,21 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+import math
 import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from picker.core.config import ScrapeConfig
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import Endpoint, EndpointMetrics, EndpointState, Health
 from picker.feeds.scrape import (
+    _PREFIXES,
     OPTIONAL_WIRE_FIELDS,
     WANTED,
     WIRE_FIELDS,
@@ -22,7 +28,7 @@ from picker.feeds.scrape import (
     metrics_from_wire,
     metrics_to_wire,
     parse_metrics,
-    prefilter,
+    samples,
 )
 
 FIXTURE = Path(__file__).parent / "data" / "vllm_0.32_metrics.txt"
@@ -50,10 +56,87 @@ def test_served_models_cross_the_wire_and_an_older_peers_list_still_reads() -> N
         metrics_from_wire(older[:-1])
 
 
-def test_prefilter_keeps_only_wanted_families() -> None:
-    kept = prefilter(FIXTURE.read_text())
-    assert "python_gc" not in kept and "time_to_first_token" not in kept
-    assert "vllm:num_requests_running{" in kept and "# TYPE vllm:cache_config_info gauge" in kept
+def test_only_wanted_families_are_parsed() -> None:
+    names = {name for name, _, _ in samples(FIXTURE.read_text())}
+    assert "vllm:num_requests_running" in names and "vllm:cache_config_info" in names
+    assert not any(
+        n.startswith("python_gc") or "time_to_first_token" in n or n.endswith("_bucket") for n in names
+    )
+
+
+def _reference(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """prometheus_client's reading of ``text``, restricted to the sample names ``samples`` keeps."""
+    return [
+        (s.name, s.labels, s.value)
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name.startswith(_PREFIXES)
+    ]
+
+
+def _same(a: list[tuple[str, dict[str, str], float]], b: list[tuple[str, dict[str, str], float]]) -> bool:
+    return len(a) == len(b) and all(
+        x[0] == y[0] and x[1] == y[1] and (x[2] == y[2] or (math.isnan(x[2]) and math.isnan(y[2])))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_samples_read_the_fixture_as_prometheus_client_does() -> None:
+    text = FIXTURE.read_text()
+    assert _same(list(samples(text)), _reference(text))
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'vllm:num_requests_running{engine="0",model_name="m",} 3 1700000000000',
+        'vllm:num_requests_running{ engine = "0" , model_name="a\\"b\\\\c\\nd"} +Inf',
+        "vllm:num_requests_waiting NaN",
+        'vllm:kv_cache_usage_perc{engine="{},= 1"} -1.5e-3',
+        "vllm:num_requests_waiting{} 7",
+    ],
+)
+def test_edge_lines_read_as_prometheus_client_reads_them(line: str) -> None:
+    assert _same(list(samples(line + "\n")), _reference(line + "\n"))
+
+
+_LABEL_NAMES = st.sampled_from(["engine", "model_name", "block_size", "running_lora_adapters", "le_x"])
+_GAUGES = st.sampled_from(
+    ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    gauges=st.dictionaries(
+        _GAUGES,
+        st.tuples(
+            st.lists(_LABEL_NAMES, min_size=0, max_size=3, unique=True),
+            st.lists(
+                st.tuples(st.lists(st.text(max_size=12), min_size=3, max_size=3), st.floats()), max_size=4
+            ),
+        ),
+        max_size=3,
+    ),
+    counts=st.lists(st.floats(min_value=0, max_value=1e12), max_size=3),
+)
+def test_samples_equal_prometheus_clients_parser_on_generated_pages(
+    gauges: dict[str, tuple[list[str], list[tuple[list[str], float]]]], counts: list[float]
+) -> None:
+    """Pages written by prometheus_client itself (any label text: quotes, backslashes, newlines,
+    braces, commas, non-ASCII; any float): ``samples`` reads what its parser reads."""
+    reg = CollectorRegistry()
+    for name, (labels, rows) in gauges.items():
+        g = Gauge(name, "doc", labels, registry=reg)
+        for values, v in rows:
+            (g.labels(*values[: len(labels)]) if labels else g).set(v)
+    c = Counter("vllm:prefix_cache_queries", "doc", ["engine"], registry=reg)
+    h = Histogram("vllm:request_prefill_time_seconds", "doc", ["engine"], registry=reg)
+    for i, v in enumerate(counts):
+        c.labels(str(i)).inc(v)
+        h.labels(str(i)).observe(v)
+    text = generate_latest(reg).decode()
+    assert _same(list(samples(text)), _reference(text))
 
 
 def test_empty_and_partial_pages() -> None:
