@@ -53,10 +53,14 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from kvlaunch import Procs, Stack
+from picker.core.calibration import Calibrator
+from picker.core.endpoints.types import Endpoint, EndpointState
+from picker.feeds.scrape import parse_metrics
 from replica.vllm.tiny import build_tiny
 
 from . import loadgen
 from .fleet import FleetConfig
+from .progressive import cpu_s
 from .real import MODEL, VllmFleet
 from .routers import router
 from .workloads import Req, no_sharing
@@ -114,18 +118,48 @@ Sample = tuple[float, float, float]
 """Seconds into the window, ``vllm:num_requests_waiting``, ``vllm:num_requests_running``."""
 
 
+class Model:
+    """The load model the picker calibrates (:class:`picker.core.calibration.Calibrator`), fed
+    here from the same vLLM ``/metrics`` pages the bench samples: what the saturation rule judged
+    by, for the record (the picker's own copy is not exposed with its debug API off)."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.cal = Calibrator()
+        self.states = [EndpointState(Endpoint("127.0.0.1", int(u.rsplit(":", 1)[1]))) for u in urls]
+
+    def observe(self, r: int, text: str) -> None:
+        st = self.states[r]
+        st.metrics = parse_metrics(text, time.monotonic())
+        self.cal.observe(st)
+
+    def snapshot(self) -> list[dict[str, float]]:
+        return [
+            {
+                "prefill_rate": round(s.model.prefill_rate, 1),
+                "step_base_s": round(s.model.step_base_s, 5),
+                "step_per_seq_s": round(s.model.step_per_seq_s, 6),
+                "uncached_per_request": round(s.model.uncached_per_request, 1),
+            }
+            for s in self.states
+        ]
+
+
 async def sample_gauges(
     http: aiohttp.ClientSession,
     urls: Sequence[str],
     stop: asyncio.Event,
     t0: float,
     out: list[list[Sample]],
+    model: Model | None = None,
 ) -> None:
-    """Every 0.25 s until ``stop``, each replica's waiting and running requests into ``out[r]``."""
+    """Every 0.25 s until ``stop``, each replica's waiting and running requests into ``out[r]``
+    (and its page into ``model``)."""
     while not stop.is_set():
         for r, u in enumerate(urls):
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 text = await _get(http, u + "/metrics")
+                if model is not None:
+                    model.observe(r, text)
                 waiting = metric_sum(text, "vllm:num_requests_waiting")
                 out[r].append(
                     (time.perf_counter() - t0, waiting, metric_sum(text, "vllm:num_requests_running"))
@@ -161,6 +195,17 @@ class Window:
     served_per_s: float = 0.0
     """Requests answered 200 over the time from the window's start to the last one's end."""
     wall_s: float = 0.0
+    model: list[dict[str, float]] = field(default_factory=list)
+    """Per replica, the calibrated load model at the window's end (:class:`Model`)."""
+    cpu: dict[str, float] = field(default_factory=dict)
+    """CPU seconds over the window: the stack's picker and Envoy, and the machine's idle share."""
+
+
+def _idle() -> tuple[int, int]:
+    """(idle, total) jiffies of the machine, from /proc/stat."""
+    with open("/proc/stat") as f:
+        xs = [int(x) for x in f.readline().split()[1:]]
+    return xs[3] + xs[4], sum(xs)
 
 
 def _p90(xs: list[float]) -> float:
@@ -175,6 +220,7 @@ async def run_window(
     window_s: float,
     seed: int,
     disconnects: int,
+    model: Model | None = None,
 ) -> tuple[dict[str, list[loadgen.Outcome]], list[list[Sample]], list[loadgen.Outcome], str, str]:
     """One window's load through ``url``: each client's outcomes, the replicas' peak waiting,
     the outcomes of the clients that gave up, and the picker's metrics page before and after."""
@@ -197,7 +243,7 @@ async def run_window(
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=300)) as http:
         before = await _get(http, metrics_url)
         t0 = time.perf_counter()
-        sampler = asyncio.create_task(sample_gauges(http, replica_urls, stop, t0, samples))
+        sampler = asyncio.create_task(sample_gauges(http, replica_urls, stop, t0, samples, model))
 
         async def one(c: str, at: float, req: Req) -> None:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
@@ -285,7 +331,7 @@ def table(ws: list[Window]) -> str:
         "| served req/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for mode in ("alone", "on", "off"):
+    for mode in dict.fromkeys(["alone", *(w.mode for w in ws)]):
         rs = [w for w in ws if w.mode == mode]
         if not rs:
             continue
@@ -302,10 +348,10 @@ def table(ws: list[Window]) -> str:
             f"| {mode} | {_cell([w.ttft_p90['quiet'] for w in rs], '.2f')} | {_cell([w.ttft_p90['critical'] for w in rs], '.2f')} "
             f"| {counts('noisy')} | {counts('quiet')} | {counts('critical')} "
             f"| {agree} ({', '.join(str(x) for x in client_429)}) "
-            f"| {', '.join(f'{x:.0f}' for x in flow_429) if mode == 'on' else '—'} "
+            f"| {', '.join(f'{x:.0f}' for x in flow_429) if mode.endswith('on') else '—'} "
             f"| {_cell([max(w.waiting_max) for w in rs], '.0f')} "
             f"| {_cell([statistics.fmean(w.running_mean) for w in rs], '.1f')} "
-            f"| {', '.join(f'{w.queue_end:.0f}' for w in rs) if mode == 'on' else '—'} "
+            f"| {', '.join(f'{w.queue_end:.0f}' for w in rs) if mode.endswith('on') else '—'} "
             f"({', '.join(str(w.disconnected) for w in rs)}) "
             f"| {_cell([w.served_per_s for w in rs], '.2f')} |"
         )
@@ -332,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", default=None)
     p.add_argument("--out", default=None, help="write the markdown table here")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--baseline",
+        default="",
+        help="another source tree (e.g. a git archive of main): a third stack, its picker with flow control "
+        "on, in every repeat beside this checkout's on and off",
+    )
     a = p.parse_args(argv)
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvpick-flow-real-"))
     model_dir = build_tiny(pathlib.Path(a.model_dir) if a.model_dir else run_dir)
@@ -350,33 +402,51 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         stacks: dict[str, tuple[str, Stack]] = {}
-        for mode in ("on", "off"):
+        modes = ["on", "off"] + (["baseline on"] if a.baseline else [])
+        for mode in modes:
             seen: list[Stack] = []
-            cfg = picker_config(run_dir / f"picker-{mode}.json", mode == "on", a.ttl_s)
+            cfg = picker_config(
+                run_dir / f"picker-{mode.replace(' ', '-')}.json", mode.endswith("on"), a.ttl_s
+            )
             urls = cleanup.enter_context(
                 router(
                     "cost",
                     fleet,
-                    run_dir / mode,
+                    run_dir / mode.replace(" ", "-"),
                     picker_config=str(cfg),
                     picker_args=["--tokenizer", str(model_dir)],
                     stack_seen=seen.append,
+                    source=a.baseline if mode.startswith("baseline") else "",
                 )
             )
             stacks[mode] = (urls[0], seen[0])
         order = [m for _ in range((a.repeats + 2) // 3) for m in ORDER][: 2 * a.repeats]
+        if a.baseline:  # each repeat: the three stacks, in an order that moves round
+            order = [modes[(r + j) % 3] for r in range(a.repeats) for j in range(3)]
         alone = {**rates, "noisy": 0.0}
         url, st = stacks["off"]
+        model = Model(fleet.urls)
         res = asyncio.run(
             run_window(
-                url, f"http://127.0.0.1:{st.metrics_port}/metrics", fleet.urls, alone, a.window_s, 0, 0
+                url,
+                f"http://127.0.0.1:{st.metrics_port}/metrics",
+                fleet.urls,
+                alone,
+                a.window_s,
+                0,
+                0,
+                model,
             )
         )
         windows.append(summarize("alone", 0, *res, a.window_s))
+        windows[-1].model = model.snapshot()
         print(f"[flow-real] alone: TTFT p90 {windows[-1].ttft_p90}  counts {windows[-1].counts}", flush=True)
         for i, mode in enumerate(order):
             url, st = stacks[mode]
             t0 = time.monotonic()
+            pids = {n: pr.pid for n, pr in st.procs.procs if n in ("picker", "envoy")}
+            cpu0 = {n: cpu_s(pid) for n, pid in pids.items()}
+            idle0 = _idle()
             res = asyncio.run(
                 run_window(
                     url,
@@ -386,16 +456,22 @@ def main(argv: list[str] | None = None) -> int:
                     a.window_s,
                     i + 1,
                     a.disconnects,
+                    model,
                 )
             )
-            w = summarize(mode, i // 2, *res, a.window_s)
+            w = summarize(mode, i // len(modes), *res, a.window_s)
             w.wall_s = time.monotonic() - t0
+            w.model = model.snapshot()
+            w.cpu = {n: round(cpu_s(pid) - cpu0[n], 1) for n, pid in pids.items()}
+            idle1 = _idle()
+            w.cpu["idle_share"] = round((idle1[0] - idle0[0]) / max(1, idle1[1] - idle0[1]), 2)
             windows.append(w)
             print(
                 f"[flow-real] window {i} flow control {mode}: TTFT p90 quiet {w.ttft_p90['quiet']:.2f} critical "
                 f"{w.ttft_p90['critical']:.2f} noisy {w.ttft_p90['noisy']:.2f}  counts {w.counts}  running mean {w.running_mean}  picker 429s "
                 f"{w.picker_429:.0f}  flow {w.flow}  waiting max {w.waiting_max}  queue at end {w.queue_end:.0f}  "
-                f"served {w.served_per_s:.2f}/s  disconnected {w.disconnected} (429 first: {w.cut_429})  errors {w.errors}  {w.wall_s:.0f} s",
+                f"served {w.served_per_s:.2f}/s  disconnected {w.disconnected} (429 first: {w.cut_429})  errors {w.errors}  {w.wall_s:.0f} s"
+                f"  model {w.model}  cpu {w.cpu}",
                 flush=True,
             )
     text = (

