@@ -30,8 +30,8 @@ there if more, in-transit ones included), is within the engine's **batch capacit
     B(e) = step_base_s(e) / step_per_seq_s(e)            (requests)
 
 the batch at which one engine step costs twice its fixed part, from the calibrated step line
-(:mod:`picker.core.calibration`): up to ``B`` sequences, adding one lengthens the step a request
-of any band joins by at most ``step_per_seq_s`` and all of them by at most one fixed step. Past
+(:mod:`picker.core.calibration`): each sequence added lengthens the step a request of any band
+joins by ``step_per_seq_s``, and up to ``B`` of them by at most one fixed step. Past
 ``B`` the excess, at most the requests in transit, counts as queued, one typical request each
 (``uncached_per_request``), as the cost scorer counts every one. (Counting every request in
 transit as queued, a replica behind a slow front end looked full while its engine sat idle: on
