@@ -90,6 +90,48 @@ def test_lru_bound_never_exceeded(capacity: int, segments: int, steps: list[tupl
             seen |= set(g)
 
 
+def _naive_match(lru: EndpointLRU, hashes: list[int]) -> int:
+    n = 0
+    while n < len(hashes) and any(hashes[n] in g for g in lru.gens):
+        n += 1
+    return n
+
+
+@settings(max_examples=300)
+@given(
+    st.integers(6, 60),
+    st.integers(2, 6),
+    st.lists(
+        st.tuples(st.sampled_from(["record", "discard", "match"]), st.lists(st.integers(0, 40), max_size=50))
+    ),
+)
+def test_match_equals_a_block_by_block_walk(
+    capacity: int, segments: int, steps: list[tuple[str, list[int]]]
+) -> None:
+    """``match`` finds what a walk over every block and every segment finds, whatever records and
+    discards came before."""
+    capacity = max(capacity, segments)
+    lru, plain = EndpointLRU(capacity, segments), EndpointLRU(capacity, segments)
+    for op, hashes in steps:
+        if op == "match":
+            assert lru.match(hashes) == _naive_match(plain, hashes)
+            assert lru.match(hashes) == plain.match(list(hashes))
+        else:
+            getattr(lru, op)(hashes)
+            getattr(plain, op)(list(hashes))
+        assert [list(g) for g in lru.gens] == [list(g) for g in plain.gens]
+
+
+def test_match_across_alternating_segments() -> None:
+    """A prompt whose blocks alternate between two segments is matched whole."""
+    lru = EndpointLRU(40, 2)  # two segments of 20
+    lru.record(list(range(0, 20, 2)) + list(range(100, 110)))  # the evens, then fillers: full
+    lru.record(list(range(1, 20, 2)))  # the odds open a new segment
+    assert [sorted(g)[:3] for g in lru.gens] == [[0, 2, 4], [1, 3, 5]]
+    assert lru.match(list(range(20))) == _naive_match(lru, list(range(20))) == 20
+    assert lru.match([*range(20), 999, 0]) == 20
+
+
 chains = st.lists(st.integers(0, 60), max_size=30)
 between = st.lists(
     st.one_of(
