@@ -46,6 +46,8 @@ class Request:
     """When the token before it was sampled: ``last_token_at - prev_token_at`` is the latest
     inter-token latency."""
     aborted: bool = False
+    ttft_observed: bool = False
+    """The HTTP server has observed its time to first token (``replica.sim.server``)."""
     kv_loaded: bool = False
     """P/D: the prompt's KV arrived from a prefill replica; admission computes only the last
     token (a decode step), as vLLM's decode side with a KV connector. Cleared by a preemption:

@@ -131,28 +131,35 @@ class Api:
             if not reply.stream:
                 while not req.finished:
                     await q.get()
-                self._observe(req, reply.t0)
+                    self._first_token(req, reply.t0)
+                self._observe(req)
                 return web.json_response(reply.whole())
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(http)
             sent = 0
             while sent < req.max_tokens:
                 n = await q.get()
+                self._first_token(req, reply.t0)
                 await resp.write(reply.sse(reply.chunk(sent, n, continuous_usage)))
                 sent = n
             if include_usage:
                 await resp.write(reply.sse(reply.usage_chunk()))
             await resp.write(b"data: [DONE]\n\n")
-            self._observe(req, reply.t0)
+            self._observe(req)
             return resp
         except (asyncio.CancelledError, ConnectionResetError):
             self.engine.cancel(req)
             raise
 
-    def _observe(self, req: Request, t0: float) -> None:
-        m = self.metrics
-        m.ttft.observe((req.first_token_at or time.monotonic()) - t0)
-        m.success.inc()
+    def _first_token(self, req: Request, t0: float) -> None:
+        """``vllm:time_to_first_token_seconds`` is observed at a request's first token, as vLLM's
+        (the picker's accounting counts first tokens from its ``_count``), once per request."""
+        if not req.ttft_observed:
+            req.ttft_observed = True
+            self.metrics.ttft.observe((req.first_token_at or time.monotonic()) - t0)
+
+    def _observe(self, req: Request) -> None:
+        self.metrics.success.inc()
 
 
 class Reply:

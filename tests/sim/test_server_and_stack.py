@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import time
+from http.client import HTTPConnection
 from typing import Any
 
 import pytest
@@ -65,6 +66,29 @@ def test_streaming_chat_and_errors(sim: str) -> None:
     assert post_json(sim + "/v1/completions", {"model": "nope", "prompt": "x"})[0] == 404
     assert http("POST", sim + "/v1/completions", b"{bad")[0] == 400
     assert post_json(sim + "/reset_prefix_cache", {})[0] == 200
+
+
+def test_time_to_first_token_is_observed_at_the_first_token_as_vllm(sim: str) -> None:
+    """vLLM observes ``vllm:time_to_first_token_seconds`` when a request's first token is out, not
+    when it ends: mid-stream the count already holds the request, the success counter not yet."""
+    host, port = sim.removeprefix("http://").split(":")
+    conn = HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps(
+        {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    )
+    conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    first = resp.readline()
+    assert first.startswith(b"data: "), first  # the first token's event
+    mid = metrics(sim)
+    assert mid["vllm:time_to_first_token_seconds_count"] == 1, "observed at the first token"
+    assert mid.get("vllm:request_success_total", 0) == 0, "the request is still streaming"
+    rest = resp.read()
+    conn.close()
+    assert rest.rstrip().endswith(b"data: [DONE]")
+    end = metrics(sim)
+    assert end["vllm:time_to_first_token_seconds_count"] == 1 and end["vllm:request_success_total"] == 1
 
 
 def _stream(url: str, doc: dict[str, object]) -> list[dict[str, Any]]:
