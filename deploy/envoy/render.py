@@ -493,6 +493,17 @@ def _picker_cluster(
     return c
 
 
+UPSTREAM_IDLE_TIMEOUT = "4s"
+"""How long Envoy keeps an idle connection to a model server. Under the server's own keep-alive,
+so that Envoy, not the server, closes an idle connection: vLLM's API server (uvicorn) closes one
+after ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s by default, and a request Envoy sends on a connection
+the server is closing gets a 503 ("upstream connect error or disconnect/reset before headers.
+reset reason: connection termination"), which the route's ``reset-before-request`` retry does not
+cover (the request went out). With 60 s here, about 1 request in 1,000-3,000 of ``bench.real``
+and ``bench.flow_real`` got that 503 (bench/results/2026-11-27-real-routers.md). A model server
+with a keep-alive of 4 s or less needs a lower value."""
+
+
 def _model_server_cluster(name: str, retries_budget: int) -> dict[str, Any]:
     """What every cluster of model servers shares: timeouts, keepalive, limits."""
     return {
@@ -504,7 +515,7 @@ def _model_server_cluster(name: str, retries_budget: int) -> dict[str, Any]:
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _T + "upstreams.http.v3.HttpProtocolOptions",
-                "common_http_protocol_options": {"idle_timeout": "60s"},
+                "common_http_protocol_options": {"idle_timeout": UPSTREAM_IDLE_TIMEOUT},
                 "explicit_http_config": {"http_protocol_options": {}},
             }
         },
