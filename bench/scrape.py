@@ -21,11 +21,11 @@ import asyncio
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import time
 
+from bench.progressive_envoy import fmt
 from kvlaunch.procs import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -91,10 +91,6 @@ def run_child(root: str, ports: list[int], args: argparse.Namespace) -> dict[str
     return result
 
 
-def fmt(xs: list[float], digits: int = 3) -> str:
-    return f"{statistics.median(xs):.{digits}f} [{min(xs):.{digits}f}-{max(xs):.{digits}f}]"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.scrape", description=__doc__)
     p.add_argument("--endpoints", type=int, default=100)
@@ -142,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for name, rs in results.items():
         print(
-            f"| {name} | {fmt([r['ms_per_scrape'] for r in rs])} | {fmt([r['scrapes_per_s'] for r in rs], 0)} "
+            f"| {name} | {fmt([r['ms_per_scrape'] for r in rs], 3)} | {fmt([r['scrapes_per_s'] for r in rs], 0)} "
             f"| {fmt([r['cores'] for r in rs], 2)} | {min(int(r['ready']) for r in rs)}/{args.endpoints} |"
         )
     return 0
