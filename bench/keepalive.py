@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import pathlib
 import random
 import statistics
@@ -65,6 +66,8 @@ OLD_IDLE = "60s"
 """The model-server clusters' idle timeout before commit 185cc1f."""
 NEAR_S = 4.9
 """A reuse of a connection idle at least this long counts as near the server's deadline."""
+BIN_SPAN = 15
+"""The idle-age table's 1 ms bins span [-BIN_SPAN, BIN_SPAN) ms past 5 s; the rest are lumped."""
 MODEL = "tiny"
 UPSTREAM_CLUSTERS = ("kvpick_upstream", "kvpick_fallback")
 EXTRA_LOG = {
@@ -117,36 +120,49 @@ async def _asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def serve(port: int, close_log: str) -> None:
-    """uvicorn as vLLM runs it (``vllm/entrypoints/launchers``: ``uvloop.run``, ``uvicorn.Config``
-    with ``timeout_keep_alive=VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, the default HTTP implementation,
-    httptools), its keep-alive timer's arming and firing logged to ``close_log`` (JSON lines:
-    ``event``, Unix time ``t``, the peer's port)."""
-    import uvicorn
-    import uvloop
+LOG_ENV = "KVPICK_KEEPALIVE_LOG"
+"""The environment variable that names the server's keep-alive log (:func:`instrument`)."""
+
+
+def instrument(path: str) -> None:
+    """Log uvicorn's keep-alive timer to ``path``, one JSON line per event (``event``: ``armed``
+    after a response, ``closed`` when the timer fires and closes the connection; Unix time ``t``;
+    the peer's port), without changing what it does. Patches the httptools protocol, the one
+    uvicorn's default (``http="auto"``) picks here, as in vLLM."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    out = open(close_log, "a", buffering=1)  # noqa: SIM115 (open for the server's life)
+    out = open(path, "a", buffering=1)  # noqa: SIM115 (open for the server's life)
+    complete, fire = HttpToolsProtocol.on_response_complete, HttpToolsProtocol.timeout_keep_alive_handler
 
-    class Logged(HttpToolsProtocol):
-        def _log(self, event: str) -> None:
-            peer = self.client[1] if self.client else 0
-            out.write(json.dumps({"event": event, "t": time.time(), "peer": peer}) + "\n")
+    def log(self: HttpToolsProtocol, event: str) -> None:
+        peer = self.client[1] if self.client else 0
+        out.write(json.dumps({"event": event, "t": time.time(), "peer": peer}) + "\n")
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self.timeout_keep_alive_task is not None:
-                self._log("armed")
+    def on_response_complete(self: HttpToolsProtocol) -> None:
+        complete(self)
+        if self.timeout_keep_alive_task is not None:
+            log(self, "armed")
 
-        def timeout_keep_alive_handler(self) -> None:
-            self._log("closed")
-            super().timeout_keep_alive_handler()
+    def timeout_keep_alive_handler(self: HttpToolsProtocol) -> None:
+        log(self, "closed")
+        fire(self)
 
+    HttpToolsProtocol.on_response_complete = on_response_complete  # type: ignore[method-assign]
+    HttpToolsProtocol.timeout_keep_alive_handler = timeout_keep_alive_handler  # type: ignore[method-assign]
+
+
+def serve(port: int) -> None:
+    """uvicorn as vLLM runs it (``vllm/entrypoints/launchers``: ``uvloop.run``, ``uvicorn.Config``
+    with ``timeout_keep_alive=VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, the default HTTP implementation),
+    its keep-alive timer logged (:func:`instrument`)."""
+    import uvicorn
+    import uvloop
+
+    instrument(os.environ[LOG_ENV])
     config = uvicorn.Config(
         _asgi,
         host="127.0.0.1",
         port=port,
-        http=Logged,
         timeout_keep_alive=KEEP_ALIVE_S,
         log_level="warning",
         access_log=False,
@@ -159,13 +175,15 @@ def serve(port: int, close_log: str) -> None:
 def model_server(kind: str, procs: Procs, root: pathlib.Path) -> Iterator[int]:
     """One model server of ``kind`` on a free loopback port; yields the port once /health answers."""
     port = free_port()
+    log = {LOG_ENV: str(procs.run_dir / "keepalive.jsonl")}
     if kind == "uvicorn":
-        log = str(procs.run_dir / "keepalive.jsonl")
-        proc = procs.start("server", [PY, "-m", "bench.keepalive", "--serve", str(port), "--serve-log", log])
+        proc = procs.start("server", [PY, "-m", "bench.keepalive", "--serve", str(port)], log)
         wait_port(port, procs=procs, proc=proc)
-    else:
-        args = command(build_tiny(root), port, "--served-model-name", MODEL, python=PY)
-        proc = procs.start("server", args, {**ENV, **cpu_binding(0)})
+    else:  # vLLM's own entry point, its keep-alive timer logged (bench._keepalive_vllm)
+        args = command(
+            build_tiny(root), port, "--served-model-name", MODEL, module="bench._keepalive_vllm", python=PY
+        )
+        procs.start("server", args, {**ENV, **cpu_binding(0), **log})
     deadline = time.monotonic() + 600
     while True:
         procs.check()
@@ -395,26 +413,44 @@ def run(a: argparse.Namespace) -> str:
             wall = time.monotonic() - t0
             time.sleep(0.6)  # Envoy flushes its access log every 250 ms (kvlaunch.Stack)
             after = {s.label: s.counters() for s in settings}
-            return report(a, settings, before, after, wall, root / "server" / "keepalive.jsonl")
+            record = {
+                "cmd": " ".join(["python -m bench.keepalive", *sys.argv[1:]]),
+                "args": {k: v for k, v in vars(a).items() if k in ("server", "rounds", "concurrency", "seed")}
+                | {"gap_min": a.gap_min, "gap_max": a.gap_max},
+                "wall_s": wall,
+                "settings": [
+                    {
+                        "label": s.label,
+                        "idle": s.idle,
+                        "statuses": {str(k): v for k, v in s.statuses.items()},
+                        "errors": s.errors[:20],
+                        "counters": {k: after[s.label][k] - before[s.label][k] for k in COUNTERS},
+                    }
+                    for s in settings
+                ],
+            }
+            (root / "record.json").write_text(json.dumps(record, indent=1))
+            return report(root)
     finally:
         for s in settings:
             s.stack.procs.stop()
         server_procs.stop()
 
 
-def report(
-    a: argparse.Namespace,
-    settings: list[Setting],
-    before: dict[str, dict[str, int]],
-    after: dict[str, dict[str, int]],
-    wall: float,
-    closes_path: pathlib.Path,
-) -> str:
-    cmd = " ".join(["python -m bench.keepalive", *sys.argv[1:]])
-    closes, late = server_closes(closes_path)
+def _bin(idle_s: float) -> int:
+    """The idle-age table's bin: whole ms past ``KEEP_ALIVE_S``, clamped to ±``BIN_SPAN``."""
+    return min(max(int((idle_s - KEEP_ALIVE_S) * 1000 // 1), -BIN_SPAN), BIN_SPAN)
+
+
+def report(root: pathlib.Path) -> str:
+    """The tables of the run whose logs and ``record.json`` are under ``root``."""
+    rec = json.loads((root / "record.json").read_text())
+    a = rec["args"]
+    closes, late = server_closes(root / "server" / "keepalive.jsonl")
     out = [
-        f"`{cmd}`: server {a.server}, {a.rounds} rounds of {a.concurrency} concurrent requests, gaps "
-        f"uniform in [{a.gap_min:.3f}, {a.gap_max:.3f}] s (seed {a.seed}), {wall:.0f} s",
+        f"`{rec['cmd']}`: server {a['server']}, {a['rounds']} rounds of {a['concurrency']} concurrent "
+        f"requests, gaps uniform in [{a['gap_min']:.3f}, {a['gap_max']:.3f}] s (seed {a['seed']}), "
+        f"{rec['wall_s']:.0f} s",
         "",
         "| Envoy idle timeout | server | requests | 200 | 503 | other | upstream cx opened | reuses idle "
         f"≥ {NEAR_S} s | of them 503 | reuses the server's timer closed | max idle age of a reuse (s) "
@@ -423,33 +459,43 @@ def report(
     ]
     bins: dict[str, Counter[tuple[int, bool]]] = {}
     details: list[str] = []
-    for s in settings:
-        rs, cxs, bad = reuses(s.log)
+    for s in rec["settings"]:
+        statuses = Counter({int(k): v for k, v in s["statuses"].items()})
+        rs, cxs, bad = reuses(root / s["label"] / "access.jsonl")
         near = [r for r in rs if r.idle_s >= NEAR_S]
-        d = {k: after[s.label][k] - before[s.label][k] for k in COUNTERS}
-        total = sum(s.statuses.values())
-        other = total - s.statuses[200] - s.statuses[503]
+        d, idle = s["counters"], s["idle"]
+        total = sum(statuses.values())
+        other = total - statuses[200] - statuses[503]
         top = max((r.idle_s for r in rs), default=0.0)
         dead = [(r, x) for r in rs if (x := after_close(r, closes)) is not None]
         dead_cell = f"{len(dead)}" if closes else "n/a"
         out.append(
-            f"| {s.idle} | {a.server} | {total} | {s.statuses[200]} | {s.statuses[503]} | {other} | {cxs} "
+            f"| {idle} | {a['server']} | {total} | {statuses[200]} | {statuses[503]} | {other} | {cxs} "
             f"| {len(near)} | {sum(r.status == 503 for r in near)} | {dead_cell} | {top:.4f} "
             f"| {d['upstream_cx_destroy_remote_with_active_rq']} | {d['upstream_cx_idle_timeout']} |"
         )
-        bins[s.idle] = Counter((int((r.idle_s - KEEP_ALIVE_S) * 1000 // 1), r.status != 200) for r in near)
-        for r, x in dead:
+        bins[idle] = Counter((_bin(r.idle_s), r.status != 200) for r in near)
+        if dead:
+            us = sorted(x * 1e6 for _, x in dead)
+            outcome = Counter(f"{r.status} `{r.flags}` `{r.details}`" for r, _ in dead)
             details.append(
-                f"- {s.idle}: `{r.id}` written {x * 1e6:.0f} µs after the server's timer closed its connection "
-                f"(idle {r.idle_s:.4f} s): {r.status} `{r.flags}` `{r.details}`"
+                f"- {idle}: {len(dead)} reuses the server's timer closed, written {us[0]:.0f} to "
+                f"{us[-1]:.0f} µs after it fired (negative: before): "
+                + ", ".join(f"{n} × {o}" for o, n in outcome.most_common())
             )
-        for x in bad:
-            age = next((f"idle age {r.idle_s:.4f} s" for r in rs if r.id == x["id"]), "a new connection")
-            details.append(
-                f"- {s.idle}: `{x['id']}` {x['status']} flags `{x['flags']}` details `{x['details']}` "
-                f"upstream_failure `{x.get('upstream_failure')}` on {age}"
+        dead_ids = {r.id for r, _ in dead}
+        groups = Counter(
+            (x["status"], x["flags"], x["details"], x["id"] in dead_ids, x["id"] in {r.id for r in rs})
+            for x in bad
+        )
+        for (status, flags, det, on_dead, reused), n in groups.most_common():
+            where = (
+                "a reuse the server's timer closed"
+                if on_dead
+                else ("a reuse" if reused else "a new connection")
             )
-        details += [f"- {s.idle}: client error {e}" for e in s.errors[:5]]
+            details.append(f"- {idle}: {n} × {status} `{flags}` `{det}` on {where}")
+        details += [f"- {idle}: client error {e}" for e in s["errors"][:5]]
     out += ["", "Near-deadline reuses by idle age at Envoy (ms past 5 s; reuses / of them not 200):", ""]
     ms = sorted({b for c in bins.values() for b, _ in c})
     if ms:
@@ -457,7 +503,14 @@ def report(
         out.append("|--:|" + "--:|" * len(bins))
         for b in ms:
             cells = [f"{c[(b, False)] + c[(b, True)]} / {c[(b, True)]}" for c in bins.values()]
-            out.append(f"| [{b}, {b + 1}) | " + " | ".join(cells) + " |")
+            label = (
+                f"< {1 - BIN_SPAN}"
+                if b == -BIN_SPAN
+                else f"≥ {BIN_SPAN}"
+                if b == BIN_SPAN
+                else f"[{b}, {b + 1})"
+            )
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
     else:
         out.append("(none)")
     if late:
@@ -487,13 +540,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--run-dir", default="", help="logs of every process (default: a new temporary directory)")
     p.add_argument("--out", default="", help="append the tables to this Markdown file")
+    p.add_argument("--report", default="", help="print the tables of a finished run's --run-dir, and exit")
     p.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--serve-log", default="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.serve:
-        serve(a.serve, a.serve_log)
+        serve(a.serve)
         return 0
-    text = run(a)
+    text = report(pathlib.Path(a.report)) if a.report else run(a)
     print(text)
     if a.out:
         with open(a.out, "a") as f:
