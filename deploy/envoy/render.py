@@ -140,8 +140,8 @@ connection.
 Timeouts: no total route timeout (a generation may stream for many minutes); a stream with no bytes
 either way for ``--stream-idle-timeout`` (300 s, GIE's HTTPRoute request timeout) is reset; request
 headers must arrive in 10 s; idle downstream connections close after 300 s and idle upstream ones
-after 60 s; upstream TCP keepalive (10 s idle, 3 probes 5 s apart) detects a vanished host in
-about 25 s even mid-stream.
+after 4 s (:data:`UPSTREAM_IDLE_TIMEOUT`, under vLLM's 5 s keep-alive); upstream TCP keepalive
+(10 s idle, 3 probes 5 s apart) detects a vanished host in about 25 s even mid-stream.
 """
 
 from __future__ import annotations
@@ -500,7 +500,9 @@ after ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s by default, and a request Envoy send
 the server is closing gets a 503 ("upstream connect error or disconnect/reset before headers.
 reset reason: connection termination"), which the route's ``reset-before-request`` retry does not
 cover (the request went out). With 60 s here, about 1 request in 1,000-3,000 of ``bench.real``
-and ``bench.flow_real`` got that 503 (bench/results/2026-11-27-real-routers.md). A model server
+and ``bench.flow_real`` got that 503 (bench/results/2026-11-27-real-routers.md); ``bench.keepalive``
+aims at the race and shows each such 503 is a request on a connection the server's keep-alive
+timer closed, and none with this value (bench/results/2026-11-28-keepalive.md). A model server
 with a keep-alive of 4 s or less needs a lower value."""
 
 
