@@ -612,7 +612,6 @@ class Cluster:
                     prefix_queries_total=float(sched.queries),
                     prefix_hits_total=float(sched.hits),
                     prompt_tokens_total=float(st.prompt_tokens),
-                    first_tokens_total=float(st.first_tokens),
                     prefill_seconds_sum=st.prefill.total,
                     prefill_count=float(st.prefill.count),
                     prefill_computed_tokens_sum=st.prefill_kv_computed.total,

@@ -14,34 +14,10 @@ bodies, so it never sees a first byte; releasing the pending prefill only at the
 stream would count a replica serving long streams as queued for as long as they decode. A
 request's prefill is released by whichever comes first:
 
-- its predicted end (:attr:`Ticket.due`), unless the engine's first-token count says the engine
-  is behind the prediction. The endpoint works through the prefills we sent in order, so
-  ``due = max(now, busy_until) + uncached / rate + step(running)`` (seconds, this module's clock),
-  with the calibrated model (``state.model``) at send time, and ``busy_until`` advanced by the
-  request's ``uncached / rate``. The prediction can run ahead of the engine (long prompts,
-  prefill chunks sharing steps with many decodes, a full KV cache holding admissions back): on
-  Mooncake's conversation trace a quarter of the predictions came before the first token, by
-  3.5 s at p99, and the holder of a prefix looked free too soon (bench/results/2026-11-27-scaling.md,
-  "The held-out regression: a release held for the engine's first-token count"). The count: vLLM counts each request's first token
-  (``vllm:time_to_first_token_seconds_count``, ``EndpointMetrics.first_tokens_total``) and serves
-  ours in the order sent (FCFS admission; a running request's prefill chunks go before any
-  waiting one's), so after a scrape the first ``F`` of the requests sent to the endpoint have
-  produced their first token, ``F = first_tokens_total + Load.first_tokens_baseline`` (counts; the
-  baseline is set at a scrape with nothing of ours in flight). The *release rule*, with ``seq``
-  the ticket's place in the endpoint's send order (:attr:`Ticket.seq`, a count)::
-
-      behind  = at the last scrape, a ticket predicted done by then had seq > F
-      release = due                                          if not behind, else
-                the first scrape with seq <= F, at the latest  due + HOLD_LIMIT * (due - started)
-
-  ``behind`` (``Load.first_tokens_behind``) is judged only on predictions already due at the
-  scrape, so an engine that keeps up pays no scrape interval of delay: its tickets go at ``due``.
-  The count never releases a ticket before ``due`` (releasing at the true first token, an
-  oracle, is what cluster mode measures against). Without a count (a page without the histogram;
-  no idle scrape yet since the picker or the engine started: ``F`` is -1) the prediction alone
-  releases. Another router's requests on the engine raise ``F``: a hold ends sooner, never
-  later. ``HOLD_LIMIT`` bounds a hold when ours are not counted in order (a request rejected
-  before the engine counted it, a preemption);
+- its predicted end (:attr:`Ticket.due`): the endpoint works through the prefills we sent in
+  order, so ``due = max(now, busy_until) + uncached / rate + step(running)``, with the
+  calibrated model (``state.model``) at send time, and ``busy_until`` advanced by the request's
+  ``uncached / rate``;
 - the scraped queue (:meth:`reconcile`): vLLM admits in arrival order (FCFS), so once a scrape
   shows ``W`` requests waiting, at most ``W + 1`` of those we sent before it (the ``+ 1``: one
   being prefilled in the current step, if any runs) can still be pending; the older ones are
@@ -75,15 +51,14 @@ pending requests) at the endpoint's uncached tokens per request.
 Writers, one per field:
 
 - ``Load.in_flight_requests``, ``in_flight_tokens``, ``pending_prefill_tokens``,
-  ``pending_requests``, ``prefill_busy_until``, ``prefill_due``, ``unseen_requests``, ``finished_streams``, ``sent_total``, ``seen_baseline``,
-  ``first_tokens_baseline``, ``first_tokens_seen``, ``first_tokens_behind``, ``released_due``: charged by :meth:`Accounting.start`
+  ``pending_requests``, ``prefill_busy_until``, ``prefill_due``, ``unseen_requests``, ``finished_streams``, ``sent_total``, ``seen_baseline``: charged by :meth:`Accounting.start`
   (and :meth:`move`), pending prefill released by :meth:`expire`, :meth:`reconcile` and
   :meth:`first_token`, everything by :meth:`finish`; nothing else writes them.
 - Not here: the cost scorer ranks on the calibrated model (``state.model``, written by
   :class:`picker.core.calibration.Calibrator` from scrapes) and the scraped metrics
   (``state.metrics``, written by the scraper or cluster mode's scrape); no response timing
   feeds either.
-- :class:`Ticket` fields: this module (``started``, ``due``, ``seq``, ``pending``, ``done``, the endpoint
+- :class:`Ticket` fields: this module (``started``, ``due``, ``pending``, ``done``, the endpoint
   and its token counts on a move).
 
 Invariant: every ``start`` is matched by exactly one effective ``finish`` (later calls are
@@ -97,18 +72,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from picker.core.endpoints.types import EndpointState, Load
+from picker.core.endpoints.types import EndpointState
 from picker.core.scheduling.types import Cycle
 
 RECONCILE_GRACE_S = 0.05
 """Requests sent less than this before a scrape are left out of :meth:`Accounting.reconcile`:
 vLLM updates its queue gauges once per engine step, so a request that has just arrived may not
 be in the scraped ``waiting`` yet."""
-
-HOLD_LIMIT = 1.0
-"""How long a held release waits for the engine's first-token count, at most: this many times
-the ticket's predicted time (``due - started``, seconds) past ``due`` (the module docstring's
-release rule; dimensionless). A bound for requests the count does not see in order."""
 
 
 @dataclass(slots=True)
@@ -122,8 +92,6 @@ class Ticket:
     started: float
     due: float = 0.0
     """Predicted end of its prefill on ``state`` (the module docstring)."""
-    seq: int = 0
-    """Its place in ``state``'s send order: ``Load.sent_total`` once it is charged (a count)."""
     pending: bool = True
     """Its uncached tokens are still counted in ``state.load.pending_prefill_tokens``."""
     done: bool = False
@@ -184,7 +152,6 @@ class Accounting:
         load.in_flight_requests += 1
         load.in_flight_tokens += ticket.prompt_tokens
         load.sent_total += 1
-        ticket.seq = load.sent_total
 
     @staticmethod
     def _release(ticket: Ticket) -> None:
@@ -212,11 +179,7 @@ class Accounting:
         assert not ticket.is_leg, "a prefill leg stays on its prefill pod"
         pending = ticket.pending
         self._discharge(ticket)
-        old = ticket.state.load
-        old.sent_total -= 1  # it never reached the primary: those sent after it are a place earlier
-        if old.first_tokens_baseline is not None:
-            old.first_tokens_baseline += 1
-            old.first_tokens_seen += 1
+        ticket.state.load.sent_total -= 1  # it never reached the primary
         ticket.state = new
         ticket.matched_blocks = matched_blocks
         ticket.uncached_tokens = uncached_tokens
@@ -224,33 +187,13 @@ class Accounting:
         self._charge(ticket)
 
     def expire(self, states: Iterable[EndpointState]) -> None:
-        """Release the pending prefills predicted done by now (``Ticket.due``) on ``states``, in
-        send order, each once the last scrape's first-token count reaches it or its hold is over
-        (the module docstring's release rule). Amortised O(1) per ticket: each is appended and
-        popped once."""
+        """Release the pending prefills predicted done by now (``Ticket.due``) on ``states``.
+        Amortised O(1) per ticket: each is appended and popped once."""
         now = self.clock()
         for state in states:
-            load = state.load
-            due = load.prefill_due
+            due = state.load.prefill_due
             while due and due[0].due <= now:
-                ticket = due[0]
-                if (
-                    ticket.seq > load.first_tokens_seen >= 0
-                    and load.first_tokens_behind
-                    and ticket.pending
-                    and ticket.state is state
-                    and not ticket.is_leg
-                    and now < ticket.due + HOLD_LIMIT * (ticket.due - ticket.started)
-                ):
-                    break  # the engine has not counted its first token: held (so are those after it)
-                due.popleft()
-                if (
-                    ticket.pending
-                    and ticket.state is state
-                    and not ticket.is_leg
-                    and load.first_tokens_seen >= 0
-                ):
-                    load.released_due.append((ticket.seq, ticket.due))  # released at its predicted end
+                ticket = due.popleft()
                 if ticket.is_leg:  # its prefill is predicted done: the leg is over
                     self.finish(ticket)
                 elif ticket.state is state:  # else moved: its entry on the new endpoint counts
@@ -260,16 +203,13 @@ class Accounting:
         """After a scrape: of the requests sent at least :data:`RECONCILE_GRACE_S` before it, at
         most ``waiting + 1`` (+ 0 with nothing running) can still be in prefill (FCFS
         admission), with those the engine has not seen at all; release the older ones.
-        Those the engine counts neither running nor waiting are ``Load.unseen_requests``.
-        Then the first-token count (``Load.first_tokens_seen``) releases the held tickets it
-        reaches (:meth:`expire`)."""
+        Those the engine counts neither running nor waiting are ``Load.unseen_requests``."""
         load, m = state.load, state.metrics
         due = load.prefill_due
         cutoff = m.updated_at - RECONCILE_GRACE_S
         live = [t for t in due if not t.done and t.state is state]
         recent = sum(1 for t in live if t.started > cutoff)
         seen = m.request_success_total + m.running + m.waiting
-        self._count_first_tokens(load, m.first_tokens_total)
         if load.in_flight_requests == 0:
             load.seen_baseline = load.sent_total - seen
         # Ours in flight that the engine shows neither running nor waiting, but only as many as
@@ -287,35 +227,6 @@ class Accounting:
                 self._release(ticket)
         while due and not (due[0].pending and due[0].state is state):
             due.popleft()
-        # behind: a request predicted done by this scrape (released at its due, or held) is not
-        # counted yet
-        firsts, released = load.first_tokens_seen, load.released_due
-        while released and released[0][0] <= firsts:
-            released.popleft()
-        if firsts < 0:
-            released.clear()
-        now = m.updated_at
-        load.first_tokens_behind = firsts >= 0 and (
-            any(d <= now for _, d in released)
-            or any(t.pending and t.due <= now and t.seq > firsts for t in due)
-        )
-        if load.first_tokens_seen >= 0:
-            self.expire((state,))
-
-    @staticmethod
-    def _count_first_tokens(load: Load, first_tokens_total: float) -> None:
-        """``Load.first_tokens_seen`` from the scraped count: the baseline is set at a scrape with
-        nothing of ours in flight, and dropped (-1: unknown) when the page has no count or the
-        count went back (the engine restarted)."""
-        base = load.first_tokens_baseline
-        if first_tokens_total < 0 or (
-            base is not None and first_tokens_total + base < load.first_tokens_seen
-        ):
-            base = None
-        if load.in_flight_requests == 0 and first_tokens_total >= 0:
-            base = load.sent_total - first_tokens_total
-        load.first_tokens_baseline = base
-        load.first_tokens_seen = -1.0 if base is None else first_tokens_total + base
 
     def first_token(self, ticket: Ticket) -> None:
         """A response byte: the request's prefill is no longer pending (a no-op after the first,

@@ -64,10 +64,8 @@ HISTOGRAMS = (
     "vllm:request_prefill_kv_computed_tokens",
     "vllm:inter_token_latency_seconds",
     "vllm:iteration_tokens_total",
-    "vllm:time_to_first_token_seconds",
 )
-"""Histograms of which only ``_sum`` and ``_count`` are kept (the load model's inputs, and the
-first-token count that confirms a prefill's end: ``picker.core.accounting``)."""
+"""Histograms of which only ``_sum`` and ``_count`` are kept (the load model's inputs)."""
 EXPECTED = (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError)
 """Failures of a scrape that are logged without a traceback (network, HTTP status, bad page)."""
 _PREFIXES = (*WANTED, *(f"{h}_{suffix}" for h in HISTOGRAMS for suffix in ("sum", "count")))
@@ -161,8 +159,6 @@ def parse_metrics(text: str, now: float = 0.0) -> EndpointMetrics:
             m.max_lora = int(ml) if ml.isdigit() else 0
         elif (summed := SUMMED.get(name)) is not None:
             setattr(m, summed, getattr(m, summed) + value)
-        elif name == "vllm:time_to_first_token_seconds_count":
-            m.first_tokens_total = max(m.first_tokens_total, 0.0) + value
         elif name in PROGRESS:
             m.progress_total = max(m.progress_total, 0.0) + value
     if kv:
@@ -181,11 +177,9 @@ PROGRESS = frozenset(
 WIRE_FIELDS = tuple(f.name for f in fields(EndpointMetrics) if f.name != "updated_at")
 """The :class:`EndpointMetrics` fields a shared scrape carries, in this order (``updated_at`` is
 the receiver's: its clock, less the scrape's age)."""
-OPTIONAL_WIRE_FIELDS = 2
-"""The last fields of :data:`WIRE_FIELDS` an older peer does not send (``served_models``,
-``first_tokens_total``): a list without them is read with their defaults."""
-_MAY_BE_UNKNOWN = frozenset({"progress_total", "first_tokens_total"})
-"""Fields whose -1 means the page had none of their samples."""
+OPTIONAL_WIRE_FIELDS = 1
+"""The last fields of :data:`WIRE_FIELDS` an older peer does not send (``served_models``): a list
+without them is read with their defaults."""
 MAX_LORAS = 256
 MAX_NAME = 256
 
@@ -217,7 +211,7 @@ def metrics_from_wire(raw: Any) -> EndpointMetrics:
             if not (type(v) is int and 0 <= v < 1 << 31):
                 raise ValueError(f"{name}: not a non-negative int")
         elif not (
-            type(v) in (int, float) and math.isfinite(v) and v >= (-1 if name in _MAY_BE_UNKNOWN else 0)
+            type(v) in (int, float) and math.isfinite(v) and v >= (-1 if name == "progress_total" else 0)
         ):
             raise ValueError(f"{name}: not a finite non-negative number")
         else:

@@ -43,8 +43,6 @@ class Sum:
 @dataclass
 class EngineStats:
     prompt_tokens: int = 0
-    first_tokens: int = 0
-    """Requests that produced their first token (``vllm:time_to_first_token_seconds_count``)."""
     computed_prompt_tokens: int = 0
     generation_tokens: int = 0
     prefill: Sum = field(default_factory=Sum)
@@ -81,7 +79,6 @@ class EngineStats:
             last = self._last_token.get(rid)
             if last is None:
                 self.prompt_tokens += len(req.prompt)
-                self.first_tokens += 1
                 computed += len(req.prompt) - max(0, req.num_cached_tokens)
             else:
                 self._observe("itl", self.itl, now - last)

@@ -120,9 +120,6 @@ class EndpointMetrics:
     served_models: frozenset[str] = frozenset()
     """The ``model_name`` label of ``vllm:num_requests_running``: the model names the replica
     serves (what may become a ``/metrics`` label value of the picker's, besides configured ones)."""
-    first_tokens_total: float = -1.0
-    """``vllm:time_to_first_token_seconds_count``: requests that have produced their first token
-    (vLLM observes it once per request, at its first token). -1 when the page has none."""
     updated_at: float = 0.0  # time.monotonic() of the last successful scrape
 
 
@@ -178,22 +175,6 @@ class Load:
     prefill_busy_until: float = 0.0
     """When the prefills sent here are predicted to be done (accounting's clock): each request
     sent adds its uncached tokens / the calibrated prefill rate after the later of now and this."""
-    first_tokens_baseline: float | None = None
-    """``sent_total`` minus the engine's ``first_tokens_total`` at the last scrape with nothing of
-    ours in flight (None: no such scrape yet, or the page has no count). Written by
-    ``Accounting.reconcile``."""
-    first_tokens_seen: float = -1.0
-    """At the last scrape: how many of the requests sent here, in send order, have produced their
-    first token (``first_tokens_total + first_tokens_baseline``); -1 when unknown. Written by
-    ``Accounting.reconcile``."""
-    released_due: deque[tuple[int, float]] = field(default_factory=deque)
-    """``(Ticket.seq, Ticket.due)`` of the requests released at their predicted end whose first
-    token the engine had not counted at the last scrape, in send order (bounded by the requests
-    in flight). Written by ``Accounting.expire`` (appends) and ``Accounting.reconcile`` (drops)."""
-    first_tokens_behind: bool = False
-    """At the last scrape: a request sent here and predicted done by then had not produced its
-    first token (``first_tokens_seen`` below its place): the engine is behind the prediction, and
-    releases at the predicted end wait for the count. Written by ``Accounting.reconcile``."""
     prefill_due: deque[Ticket] = field(default_factory=deque)
     """Tickets whose prefill is pending, in send order, each released at its predicted prefill
     end (``Ticket.due``) unless a first byte or the scraped queue releases it first. Entries of
