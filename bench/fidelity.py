@@ -29,7 +29,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from kvlaunch import PY, Procs, free_port, http, post_json
+from kvlaunch import PY, Procs, free_port, http, post_json, wait_healthy
 from picker.core.endpoints.types import EndpointMetrics
 from picker.feeds.scrape import parse_metrics
 from replica.sim.costmodel import profile
@@ -132,18 +132,7 @@ def run(rounds: int) -> Result:
         proc = procs.start("vllm", command(model, port, python=PY), env=ENV)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"vLLM exited {proc.returncode}:\n{procs.log('vllm')[-3000:]}")
-                try:
-                    if http("GET", url + "/health", timeout=2)[0] == 200:
-                        break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"vLLM not healthy:\n{procs.log('vllm')[-3000:]}")
-                time.sleep(1)
+            wait_healthy(url, 300, procs=procs, proc=proc)
             want = predicted()
             best: dict[str, float] = {}
             measured: list[dict[str, float]] = []

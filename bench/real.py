@@ -66,7 +66,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvlaunch import Procs, Stack, free_port, http
+from kvlaunch import Procs, Stack, free_port, wait_healthy
 from replica.vllm.tiny import ENV, build_tiny, command, cpu_binding
 
 from . import loadgen, pooled, split, stats
@@ -124,16 +124,7 @@ class VllmFleet(Fleet):
             self.children.start(f"vllm-{i}", args, cpu_binding(i))
         deadline = time.monotonic() + 600
         for url in self.urls:
-            while True:
-                self.children.check()
-                try:
-                    if http("GET", url + "/health", timeout=2)[0] == 200:
-                        break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"vLLM at {url} did not become healthy")
-                time.sleep(1)
+            wait_healthy(url, max(0.0, deadline - time.monotonic()), procs=self.children)
 
 
 def picker_variant(name: str, fleet: VllmFleet) -> tuple[str, list[str]]:

@@ -4,7 +4,7 @@ the picker behind a real Envoy), one set of children (:class:`Procs`), one ``fre
 that answer instantly (:mod:`kvlaunch.upstream`) and a Kubernetes API server
 (:mod:`kvlaunch.fakekube`)."""
 
-from .procs import ENVOY, PY, ROOT, Procs, Stopper, free_port, http, post_json, wait_port
+from .procs import ENVOY, PY, ROOT, Procs, Stopper, free_port, http, post_json, wait_healthy, wait_port
 from .stack import Stack, stack
 
 __all__ = [
@@ -18,5 +18,6 @@ __all__ = [
     "http",
     "post_json",
     "stack",
+    "wait_healthy",
     "wait_port",
 ]

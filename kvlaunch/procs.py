@@ -109,6 +109,29 @@ def wait_port(
     raise TimeoutError(f"port {port} did not open within {timeout:.0f}s")
 
 
+def wait_healthy(
+    url: str,
+    timeout: float = 300.0,
+    *,
+    procs: Procs,
+    proc: subprocess.Popen[bytes] | None = None,
+    path: str = "/health",
+) -> None:
+    """Until ``GET url + path`` answers 200 (a model server that has loaded its model). Fails at
+    once, with the child's log tail, when ``procs.check(proc)`` raises (a stop was requested, or
+    ``proc`` exited; every child of ``procs`` when ``proc`` is None); ``TimeoutError`` after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        procs.check(proc)
+        with contextlib.suppress(OSError):
+            if http("GET", url + path, timeout=2)[0] == 200:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}{path} did not answer 200 within {timeout:.0f}s")
+        time.sleep(1)
+
+
 def http(
     method: str,
     url: str,

@@ -7,7 +7,8 @@ import pathlib
 import time
 from collections.abc import Iterator
 
-from kvlaunch import PY, Procs, free_port, http
+from kvlaunch import PY, Procs, free_port
+from kvlaunch import wait_healthy as wait_url
 from replica.vllm.tiny import ENV, build_tiny, command
 
 __all__ = ["ENV", "tiny_model", "vllm_server", "wait_healthy"]
@@ -30,16 +31,7 @@ def vllm_server(
     args = command(model, port, *extra, module=module, python=PY)
     proc = procs.start(name, args, env=ENV)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{procs.log(name)[-3000:]}")
-        with contextlib.suppress(OSError):
-            if http("GET", url + "/health", timeout=2)[0] == 200:
-                break
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"vLLM did not become healthy:\n{procs.log(name)[-3000:]}")
-        time.sleep(1)
+    wait_url(url, 300, procs=procs, proc=proc)
     try:
         yield url
     finally:
@@ -48,16 +40,9 @@ def vllm_server(
 
 def wait_healthy(procs: Procs, urls: dict[str, str], timeout: float = 400) -> None:
     """Wait until every server in ``urls`` (``procs``' child name → base URL) answers 200 on
-    /health; fails (AssertionError, with the child's log) as soon as one exits, or after
-    ``timeout`` seconds."""
+    /health; fails (RuntimeError, with the child's log) as soon as one exits, or (TimeoutError)
+    after ``timeout`` seconds in all."""
     deadline = time.monotonic() + timeout
-    pending = dict(urls)
-    while pending:
-        for name, url in list(pending.items()):
-            proc = next(p for n, p in procs.procs if n == name)
-            assert proc.poll() is None, f"{name} exited {proc.returncode}:\n{procs.log(name)[-3000:]}"
-            with contextlib.suppress(OSError):
-                if http("GET", url + "/health", timeout=2)[0] == 200:
-                    del pending[name]
-        assert time.monotonic() < deadline, f"not healthy: {list(pending)}"
-        time.sleep(1)
+    for name, url in urls.items():
+        proc = next(p for n, p in procs.procs if n == name)
+        wait_url(url, max(0.0, deadline - time.monotonic()), procs=procs, proc=proc)
