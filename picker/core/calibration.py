@@ -15,7 +15,10 @@ endpoint, with ``d`` the change of a cumulative counter,
   ``d vllm:request_prefill_time_seconds_sum`` seconds over ``d …_count`` requests (vLLM observes
   both histograms for the same requests, when they finish; prefill time is first token − first
   scheduled, so queueing is not in it). One step per request is fixed cost, not per-token work,
-  so ``1 / prefill_rate = (d prefill_sum - d count * step_s(b)) / d uncached``;
+  so ``1 / prefill_rate = (d prefill_sum - d count * step_s(b_pf)) / d uncached``, with ``b_pf``
+  the running gauge when those prefills ran: the scrape nearest ``d vllm:request_decode_time_seconds_sum
+  / d …_count`` plus their mean prefill time before now (the histograms move at the finish,
+  seconds later, when the batch may be far larger; without the decode histogram, ``b``);
 - decode: ``y = d vllm:inter_token_latency_seconds_sum / d …_count`` is a decode token's mean
   wait, at the mean of the ``vllm:num_requests_running`` gauge at both scrapes (``b``). It is the
   step plus the prefill work batched with those decodes: ``y = base + per_seq * b + z * p`` with
@@ -69,6 +72,7 @@ successful scrape (the scraper's update hook, or cluster mode's simulated scrape
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from picker.core.endpoints.types import EndpointMetrics, EndpointModel, EndpointState
@@ -218,6 +222,9 @@ class Delta:
     mean_running: float
     prefilled_tokens: float = 0.0
     """Uncached tokens whose prefill ended in the interval (not at the request's finish)."""
+    ago_s: float = -1.0
+    """How long before the later scrape the finished requests' prefills ran (their mean decode
+    plus prefill time); -1 when the replica exports no decode histogram."""
 
 
 def delta(prev: EndpointMetrics, cur: EndpointMetrics) -> Delta | None:
@@ -233,9 +240,26 @@ def delta(prev: EndpointMetrics, cur: EndpointMetrics) -> Delta | None:
     prefilled = (cur.prompt_tokens_total - prev.prompt_tokens_total) - (
         cur.prefix_hits_total - prev.prefix_hits_total
     )
-    return Delta(
-        d_uncached, d_pf, d_pfn, d_itl, d_itln, (prev.running + cur.running) / 2, max(0.0, prefilled)
-    )
+    d_dec, d_decn = cur.decode_seconds_sum - prev.decode_seconds_sum, cur.decode_count - prev.decode_count
+    ago = (d_dec / d_decn + d_pf / d_pfn) if d_decn > 0 and d_pfn > 0 and d_dec >= 0 else -1.0
+    b = (prev.running + cur.running) / 2
+    return Delta(d_uncached, d_pf, d_pfn, d_itl, d_itln, b, max(0.0, prefilled), ago)
+
+
+HISTORY = 1024
+"""Scrapes of running-gauge history kept per endpoint (about 200 s at 200 ms): how far back a
+finished request's prefill is looked up."""
+
+
+def _running_at(hist: deque[tuple[float, float]], t: float, d: Delta) -> float:
+    """The running gauge at the last scrape at or before ``t`` (the oldest kept if none is);
+    the delta's mean when the replica gave no time (``d.ago_s < 0``)."""
+    if d.ago_s < 0:
+        return d.mean_running
+    for at, running in reversed(hist):
+        if at <= t:
+            return running
+    return hist[0][1]
 
 
 def _idle(state: EndpointState, d: Delta) -> bool:
@@ -256,11 +280,17 @@ class Calibrator:
     _last: dict[str, EndpointMetrics] = field(default_factory=dict)
     _idle_run: dict[str, int] = field(default_factory=dict)
     """Consecutive idle deltas per endpoint."""
+    _running: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
+    """Per endpoint, the running gauge at its last :data:`HISTORY` scrapes: ``(updated_at, running)``."""
 
     def observe(self, state: EndpointState) -> None:
         """Fold ``state.metrics`` (just scraped) into the sums and refresh ``state.model``."""
         prev = self._last.get(state.key)
         self._last[state.key] = state.metrics
+        hist = self._running.get(state.key)
+        if hist is None:
+            hist = self._running[state.key] = deque(maxlen=HISTORY)
+        hist.append((state.metrics.updated_at, state.metrics.running))
         if prev is None:
             return
         d = delta(prev, state.metrics)
@@ -271,7 +301,7 @@ class Calibrator:
             own = self._own[state.key] = Sums()
         self.pool.add(own, -1.0)
         own.decay(1.0 - 1.0 / self.cfg.window)
-        self._fold(own, d, state.model)
+        self._fold(own, d, state.model, _running_at(hist, state.metrics.updated_at - d.ago_s, d))
         run = self._idle_run[state.key] = self._idle_run.get(state.key, 0) + 1 if _idle(state, d) else 0
         if run > self.cfg.idle_fade:
             own.pf_n *= 1.0 - 1.0 / self.cfg.idle_fade
@@ -284,10 +314,11 @@ class Calibrator:
         own = self._own.pop(state.key, None)
         self._last.pop(state.key, None)
         self._idle_run.pop(state.key, None)
+        self._running.pop(state.key, None)
         if own is not None:
             self.pool.add(own, -1.0)
 
-    def _fold(self, s: Sums, d: Delta, model: EndpointModel) -> None:
+    def _fold(self, s: Sums, d: Delta, model: EndpointModel, b_pf: float) -> None:
         if d.itl_tokens > 0:
             # The decodes' mean wait: a step, plus the prefill tokens batched with them (p).
             w, b, y = d.itl_tokens, d.mean_running, d.itl_seconds / d.itl_tokens
@@ -304,7 +335,7 @@ class Calibrator:
             s.d_wpy += w * p * y
             s.d_n += 1
         if d.prefill_requests > 0 and d.uncached_tokens >= self.cfg.min_prefill_tokens:
-            fixed = d.prefill_requests * model.step_s(d.mean_running)
+            fixed = d.prefill_requests * model.step_s(b_pf)
             seconds = max(d.prefill_seconds - fixed, 0.1 * d.prefill_seconds)
             s.pf_seconds += min(seconds, self.cfg.max_step * d.uncached_tokens / model.prefill_rate)
             s.pf_tokens += d.uncached_tokens

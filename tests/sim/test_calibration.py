@@ -203,8 +203,8 @@ def test_finish_time_histograms_do_not_bias_the_fit_under_a_ramp() -> None:
     """A known linear engine, from idle into steady load, scraped every 200 ms as vLLM exports it:
     a decode token waits ``step(b) + z * p`` (``p = b * prefilled / decode tokens``), a prefill
     of ``n`` uncached tokens takes ``n / rate + step(b)``, and the prefill histograms (time and
-    uncached tokens) move only when the request *finishes*, ``decode_s`` later, while the prompt
-    and prefix-hit counters move when the prefill ends. The fit that took the decodes' prefill
+    uncached tokens) move only when the request *finishes*, ``decode_s`` later (with the decode
+    histogram saying so), while the prompt and prefix-hit counters move when the prefill ends. The fit that took the decodes' prefill
     share from the finished requests at ``1 / rate`` read this engine as 8.2 ms a step at 100
     running (truth 13 ms) and 23,900 tokens/s (truth 30,000); on the simulated H100 it read a
     16 ms step and a 1.45× too fast rate (bench/results/2026-11-27-scaling.md, "Calibration
@@ -236,6 +236,8 @@ def test_finish_time_histograms_do_not_bias_the_fit_under_a_ramp() -> None:
             prefill_count=m.prefill_count + sum(x[1] for x in done),
             itl_seconds_sum=m.itl_seconds_sum + itl_n * y,
             itl_count=m.itl_count + itl_n,
+            decode_seconds_sum=m.decode_seconds_sum + sum(x[1] for x in done) * decode_s,
+            decode_count=m.decode_count + sum(x[1] for x in done),
             updated_at=t,
         )
         s.metrics = m
