@@ -617,6 +617,8 @@ class Cluster:
                     prefill_computed_tokens_sum=st.prefill_kv_computed.total,
                     itl_seconds_sum=st.itl.total,
                     itl_count=float(st.itl.count),
+                    decode_seconds_sum=st.decode.total,
+                    decode_count=float(st.decode.count),
                     updated_at=self.now,
                 )
                 state.health = Health.READY

@@ -15,12 +15,30 @@ endpoint, with ``d`` the change of a cumulative counter,
   ``d vllm:request_prefill_time_seconds_sum`` seconds over ``d …_count`` requests (vLLM observes
   both histograms for the same requests, when they finish; prefill time is first token − first
   scheduled, so queueing is not in it). One step per request is fixed cost, not per-token work,
-  so ``1 / prefill_rate = (d prefill_sum - d count * step_s(b)) / d uncached``;
-- decode: ``d vllm:inter_token_latency_seconds_sum / d …_count`` is the mean step time at the
-  mean of the ``vllm:num_requests_running`` gauge at both scrapes (``b``), less the time those
-  decodes waited for prefill chunks batched with them (``b * d uncached / prefill_rate``, spread
-  over the tokens); a least-squares line through those points, weighted by tokens, gives
-  ``step_base_s`` and ``step_per_seq_s``.
+  so ``1 / prefill_rate = (d prefill_sum - d count * step_s(b_pf)) / d uncached``, with ``b_pf``
+  the running gauge when those prefills ran: the scrape nearest ``d vllm:request_decode_time_seconds_sum
+  / d …_count`` plus their mean prefill time before now (the histograms move at the finish,
+  seconds later, when the batch may be far larger; without the decode histogram, ``b``);
+- decode: ``y = d vllm:inter_token_latency_seconds_sum / d …_count`` is a decode token's mean
+  wait, at the mean of the ``vllm:num_requests_running`` gauge at both scrapes (``b``). It is the
+  step plus the prefill work batched with those decodes: ``y = base + per_seq * b + z * p`` with
+  ``p = b * prefilled / d itl_count`` (``prefilled``: the uncached tokens whose prefill ended in
+  the interval, ``d vllm:prompt_tokens_total - d vllm:prefix_cache_hits_total``, both counted when
+  it happens) and ``z`` the seconds one prefill token adds to a step that also decodes. A
+  least-squares fit of all three, weighted by tokens, gives ``step_base_s`` and
+  ``step_per_seq_s``; ``z`` is fit, not taken as ``1 / prefill_rate``, because on a GPU the two
+  differ (a decode step is memory-bound and hides under a prefill's compute: on the simulated
+  H100 8B, ``1 / z`` is about 50k tokens/s against a 30k prefill rate), and because taking it
+  from the prefill fit made the two fits feed each other (below). Without spread in ``p`` (no
+  prefill beside the decodes, or always the same), ``z = 1 / prefill_rate``.
+
+Why not the finished requests' uncached tokens for ``p``, and why not ``z = 1 / prefill_rate``
+(the fit before 2026-11-28): both histograms are observed when a request *finishes*, seconds
+after its prefill, so in the first seconds of load the decodes' waits had nothing taken out, the
+step line came out 2× the engine's, the prefill fit took that too-long step out of each prefill
+and read the rate 1.45× too fast, and that fast rate took too little out of the next decode
+samples: a fixed point 40–46k tokens/s on a 16 ms step against the engine's 30k on 8 ms
+(bench/results/2026-11-27-scaling.md, "Calibration bias").
 
 Nothing here reads a response: the estimates need no body parsing and no per-request timing, so
 an error or a non-streamed response cannot move them.
@@ -54,6 +72,7 @@ successful scrape (the scraper's update hook, or cluster mode's simulated scrape
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from picker.core.endpoints.types import EndpointMetrics, EndpointModel, EndpointState
@@ -77,6 +96,9 @@ class CalibrationConfig:
     """A delta with fewer uncached tokens carries no prefill-rate information (a full hit)."""
     min_batch_spread: float = 2.0
     """Standard deviation of the running count (requests) needed to fit the step line's slope."""
+    min_prefill_spread: float = 0.25
+    """Standard deviation of the decodes' prefill load ``p``, relative to its mean, needed to fit
+    what a prefill token adds to a decode step (else it is ``1 / prefill_rate``)."""
     batch_shape: float = 0.05
     """Without that spread: the step's growth per running request, relative to its base (a
     decode step is mostly fixed cost)."""
@@ -145,6 +167,11 @@ class Sums:
     d_wbb: float = 0.0
     d_wy: float = 0.0
     d_wby: float = 0.0
+    d_wp: float = 0.0
+    """Decode sums: weight ``w`` (tokens), running ``b``, wait ``y`` [s], prefill load ``p``."""
+    d_wbp: float = 0.0
+    d_wpp: float = 0.0
+    d_wpy: float = 0.0
     d_n: float = 0.0
 
     def decay(self, keep: float) -> None:
@@ -156,6 +183,10 @@ class Sums:
         self.d_wbb *= keep
         self.d_wy *= keep
         self.d_wby *= keep
+        self.d_wp *= keep
+        self.d_wbp *= keep
+        self.d_wpp *= keep
+        self.d_wpy *= keep
 
     def add(self, other: Sums, sign: float) -> None:
         self.pf_seconds += sign * other.pf_seconds
@@ -166,6 +197,10 @@ class Sums:
         self.d_wbb += sign * other.d_wbb
         self.d_wy += sign * other.d_wy
         self.d_wby += sign * other.d_wby
+        self.d_wp += sign * other.d_wp
+        self.d_wbp += sign * other.d_wbp
+        self.d_wpp += sign * other.d_wpp
+        self.d_wpy += sign * other.d_wpy
         self.pf_n += sign * other.pf_n
         self.d_n += sign * other.d_n
 
@@ -185,6 +220,11 @@ class Delta:
     itl_seconds: float
     itl_tokens: float
     mean_running: float
+    prefilled_tokens: float = 0.0
+    """Uncached tokens whose prefill ended in the interval (not at the request's finish)."""
+    ago_s: float = -1.0
+    """How long before the later scrape the finished requests' prefills ran (their mean decode
+    plus prefill time); -1 when the replica exports no decode histogram."""
 
 
 def delta(prev: EndpointMetrics, cur: EndpointMetrics) -> Delta | None:
@@ -197,7 +237,29 @@ def delta(prev: EndpointMetrics, cur: EndpointMetrics) -> Delta | None:
     d_itln = cur.itl_count - prev.itl_count
     if min(d_uncached, d_pf, d_pfn, d_itl, d_itln) < 0 or cur.updated_at <= prev.updated_at:
         return None
-    return Delta(d_uncached, d_pf, d_pfn, d_itl, d_itln, (prev.running + cur.running) / 2)
+    prefilled = (cur.prompt_tokens_total - prev.prompt_tokens_total) - (
+        cur.prefix_hits_total - prev.prefix_hits_total
+    )
+    d_dec, d_decn = cur.decode_seconds_sum - prev.decode_seconds_sum, cur.decode_count - prev.decode_count
+    ago = (d_dec / d_decn + d_pf / d_pfn) if d_decn > 0 and d_pfn > 0 and d_dec >= 0 else -1.0
+    b = (prev.running + cur.running) / 2
+    return Delta(d_uncached, d_pf, d_pfn, d_itl, d_itln, b, max(0.0, prefilled), ago)
+
+
+HISTORY = 1024
+"""Scrapes of running-gauge history kept per endpoint (about 200 s at 200 ms): how far back a
+finished request's prefill is looked up."""
+
+
+def _running_at(hist: deque[tuple[float, float]], t: float, d: Delta) -> float:
+    """The running gauge at the last scrape at or before ``t`` (the oldest kept if none is);
+    the delta's mean when the replica gave no time (``d.ago_s < 0``)."""
+    if d.ago_s < 0:
+        return d.mean_running
+    for at, running in reversed(hist):
+        if at <= t:
+            return running
+    return hist[0][1]
 
 
 def _idle(state: EndpointState, d: Delta) -> bool:
@@ -218,11 +280,17 @@ class Calibrator:
     _last: dict[str, EndpointMetrics] = field(default_factory=dict)
     _idle_run: dict[str, int] = field(default_factory=dict)
     """Consecutive idle deltas per endpoint."""
+    _running: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
+    """Per endpoint, the running gauge at its last :data:`HISTORY` scrapes: ``(updated_at, running)``."""
 
     def observe(self, state: EndpointState) -> None:
         """Fold ``state.metrics`` (just scraped) into the sums and refresh ``state.model``."""
         prev = self._last.get(state.key)
         self._last[state.key] = state.metrics
+        hist = self._running.get(state.key)
+        if hist is None:
+            hist = self._running[state.key] = deque(maxlen=HISTORY)
+        hist.append((state.metrics.updated_at, state.metrics.running))
         if prev is None:
             return
         d = delta(prev, state.metrics)
@@ -233,7 +301,7 @@ class Calibrator:
             own = self._own[state.key] = Sums()
         self.pool.add(own, -1.0)
         own.decay(1.0 - 1.0 / self.cfg.window)
-        self._fold(own, d, state.model)
+        self._fold(own, d, state.model, _running_at(hist, state.metrics.updated_at - d.ago_s, d))
         run = self._idle_run[state.key] = self._idle_run.get(state.key, 0) + 1 if _idle(state, d) else 0
         if run > self.cfg.idle_fade:
             own.pf_n *= 1.0 - 1.0 / self.cfg.idle_fade
@@ -246,51 +314,83 @@ class Calibrator:
         own = self._own.pop(state.key, None)
         self._last.pop(state.key, None)
         self._idle_run.pop(state.key, None)
+        self._running.pop(state.key, None)
         if own is not None:
             self.pool.add(own, -1.0)
 
-    def _fold(self, s: Sums, d: Delta, model: EndpointModel) -> None:
+    def _fold(self, s: Sums, d: Delta, model: EndpointModel, b_pf: float) -> None:
         if d.itl_tokens > 0:
-            # Decodes that shared steps with prefill chunks waited for them: take that share out
-            # (uncached tokens / rate, waited by the mean batch) to leave the decode step itself.
-            shared = d.mean_running * d.uncached_tokens / model.prefill_rate
-            itl = max(d.itl_seconds - shared, 0.25 * d.itl_seconds)
-            w, b, y = d.itl_tokens, d.mean_running, itl / d.itl_tokens
-            y = min(y, self.cfg.max_step * model.step_s(b))
+            # The decodes' mean wait: a step, plus the prefill tokens batched with them (p).
+            w, b, y = d.itl_tokens, d.mean_running, d.itl_seconds / d.itl_tokens
+            p = b * d.prefilled_tokens / d.itl_tokens
+            y = min(y, self.cfg.max_step * (model.step_s(b) + p / model.prefill_rate))
             s.d_w += w
             s.d_wb += w * b
             s.d_wbb += w * b * b
             s.d_wy += w * y
             s.d_wby += w * b * y
+            s.d_wp += w * p
+            s.d_wbp += w * b * p
+            s.d_wpp += w * p * p
+            s.d_wpy += w * p * y
             s.d_n += 1
         if d.prefill_requests > 0 and d.uncached_tokens >= self.cfg.min_prefill_tokens:
-            fixed = d.prefill_requests * model.step_s(d.mean_running)
+            fixed = d.prefill_requests * model.step_s(b_pf)
             seconds = max(d.prefill_seconds - fixed, 0.1 * d.prefill_seconds)
             s.pf_seconds += min(seconds, self.cfg.max_step * d.uncached_tokens / model.prefill_rate)
             s.pf_tokens += d.uncached_tokens
             s.pf_requests += d.prefill_requests
             s.pf_n += 1
 
-    def _step_line(self, s: Sums) -> tuple[float, float] | None:
-        """Weighted least squares ``y = a + c b`` (both >= 0) when the batch sizes seen spread by
-        at least ``min_batch_spread`` (standard deviation, in requests). With less spread a slope
-        is noise (seen in tests: a 0.3–1.8 range of the gauge's mean gave a zero intercept and
-        four times the true slope), so only the level is fit, ``y = L (1 + r b)``, with the shape
-        ``r = batch_shape``."""
+    def _step_line(self, s: Sums, rate: float) -> tuple[float, float, float] | None:
+        """Weighted least squares ``y = a + c b + z p`` (all >= 0): ``(a, c, z)``.
+
+        ``z`` is fit when ``p`` spreads by at least ``min_prefill_spread`` of its mean (standard
+        deviation, net of what ``b`` explains); else it is ``1 / rate``. The slope ``c`` is fit
+        when the batch sizes seen spread by at least ``min_batch_spread`` (standard deviation, in
+        requests). With less spread a slope is noise (seen in tests: a 0.3–1.8 range of the
+        gauge's mean gave a zero intercept and four times the true slope), so only the level is
+        fit, ``y = L (1 + r b)``, with the shape ``r = batch_shape``."""
         if s.d_w <= 0:
             return None
-        mb, my = s.d_wb / s.d_w, s.d_wy / s.d_w
-        var = s.d_wbb / s.d_w - mb * mb
-        if var >= self.cfg.min_batch_spread**2:
-            slope = max(0.0, (s.d_wby / s.d_w - mb * my) / var)
-            base = my - slope * mb
-            if base >= 0:
-                return base, slope
+        w = s.d_w
+        mb, mp, my = s.d_wb / w, s.d_wp / w, s.d_wy / w
+        sbb = s.d_wbb / w - mb * mb
+        sbp = s.d_wbp / w - mb * mp
+        spp = s.d_wpp / w - mp * mp
+        sby = s.d_wby / w - mb * my
+        spy = s.d_wpy / w - mp * my
+        b_ok = sbb >= self.cfg.min_batch_spread**2
+        p_net = spp - (sbp * sbp / sbb if b_ok else 0.0)
+        p_ok = mp > 0 and p_net >= (self.cfg.min_prefill_spread * mp) ** 2
+        if p_ok and b_ok:
+            det = sbb * spp - sbp * sbp
+            c = (sby * spp - spy * sbp) / det
+            z = (spy * sbb - sby * sbp) / det
+            a = my - c * mb - z * mp
+            if a >= 0 and c >= 0 and z >= 0:
+                return a, c, z
         r = self.cfg.batch_shape
-        # minimise sum w (y - L (1 + r b))^2: L = sum w y (1 + r b) / sum w (1 + r b)^2
-        den = s.d_w + 2 * r * s.d_wb + r * r * s.d_wbb
-        level = (s.d_wy + r * s.d_wby) / den if den > 0 else 0.0
-        return level, level * r
+        # Level form: q = 1 + r b, y = L q + z p.
+        qq = w + 2 * r * s.d_wb + r * r * s.d_wbb
+        qy = s.d_wy + r * s.d_wby
+        qp = s.d_wp + r * s.d_wbp
+        if p_ok:
+            det = qq * s.d_wpp - qp * qp
+            if det > 0:
+                level = (qy * s.d_wpp - s.d_wpy * qp) / det
+                z = (s.d_wpy * qq - qy * qp) / det
+                if level >= 0 and z >= 0:
+                    return level, level * r, z
+        z = 1.0 / rate
+        if b_ok:
+            # y' = y - z p: the line through the decodes' waits less the prefill at 1 / rate.
+            slope = max(0.0, (sby - z * sbp) / sbb)
+            base = my - z * mp - slope * mb
+            if base >= 0:
+                return base, slope, z
+        level = max(0.0, (qy - z * qp) / qq) if qq > 0 else 0.0
+        return level, level * r, z
 
     def _shrunk(self, raw: float, n: float) -> float:
         cap = self.cfg.max_factor
@@ -310,11 +410,12 @@ class Calibrator:
     def model_for(self, own: Sums) -> EndpointModel:
         cfg, pool = self.cfg, self.pool
         out = cfg.default_model()
-        line = self._step_line(pool)
+        pool_rate = pool.pf_tokens / pool.pf_seconds if pool.pf_tokens > 0 and pool.pf_seconds > 0 else 0.0
+        line = self._step_line(pool, pool_rate or cfg.default_prefill_rate)
         if line is not None:
-            base, slope = line
+            base, slope, z = line
             factor = 1.0
-            predicted = base * own.d_w + slope * own.d_wb
+            predicted = base * own.d_w + slope * own.d_wb + z * own.d_wp
             if own.d_n and predicted > 0:
                 factor = self._shrunk(own.d_wy / predicted, own.d_n)
             out.step_base_s, out.step_per_seq_s = base * factor, slope * factor

@@ -64,6 +64,7 @@ HISTOGRAMS = (
     "vllm:request_prefill_kv_computed_tokens",
     "vllm:inter_token_latency_seconds",
     "vllm:iteration_tokens_total",
+    "vllm:request_decode_time_seconds",
 )
 """Histograms of which only ``_sum`` and ``_count`` are kept (the load model's inputs)."""
 EXPECTED = (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError)
@@ -123,6 +124,8 @@ SUMMED = {
     "vllm:request_prefill_kv_computed_tokens_sum": "prefill_computed_tokens_sum",
     "vllm:inter_token_latency_seconds_sum": "itl_seconds_sum",
     "vllm:inter_token_latency_seconds_count": "itl_count",
+    "vllm:request_decode_time_seconds_sum": "decode_seconds_sum",
+    "vllm:request_decode_time_seconds_count": "decode_count",
 }
 """vLLM counter and histogram samples summed over their label sets (engines, models, reasons)
 into the :class:`EndpointMetrics` field named here."""
@@ -177,9 +180,9 @@ PROGRESS = frozenset(
 WIRE_FIELDS = tuple(f.name for f in fields(EndpointMetrics) if f.name != "updated_at")
 """The :class:`EndpointMetrics` fields a shared scrape carries, in this order (``updated_at`` is
 the receiver's: its clock, less the scrape's age)."""
-OPTIONAL_WIRE_FIELDS = 1
-"""The last fields of :data:`WIRE_FIELDS` an older peer does not send (``served_models``): a list
-without them is read with their defaults."""
+OPTIONAL_WIRE_FIELDS = 3
+"""The last fields of :data:`WIRE_FIELDS` an older peer does not send (``served_models``,
+``decode_seconds_sum``, ``decode_count``): a list without them is read with their defaults."""
 MAX_LORAS = 256
 MAX_NAME = 256
 

@@ -120,6 +120,10 @@ class EndpointMetrics:
     served_models: frozenset[str] = frozenset()
     """The ``model_name`` label of ``vllm:num_requests_running``: the model names the replica
     serves (what may become a ``/metrics`` label value of the picker's, besides configured ones)."""
+    decode_seconds_sum: float = 0.0
+    """``vllm:request_decode_time_seconds_sum``: last token − first token, summed over the same
+    finished requests as ``prefill_seconds_sum`` (how long ago their prefills ran)."""
+    decode_count: float = 0.0
     updated_at: float = 0.0  # time.monotonic() of the last successful scrape
 
 
