@@ -72,7 +72,8 @@ successful scrape (the scraper's update hook, or cluster mode's simulated scrape
 from __future__ import annotations
 
 import math
-from collections import deque
+from array import array
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 from picker.core.endpoints.types import EndpointMetrics, EndpointModel, EndpointState
@@ -251,15 +252,43 @@ HISTORY = 1024
 finished request's prefill is looked up."""
 
 
-def _running_at(hist: deque[tuple[float, float]], t: float, d: Delta) -> float:
+class GaugeHistory:
+    """One endpoint's running gauge at its last :data:`HISTORY` to ``2 * HISTORY`` scrapes, as two
+    ``array('d')`` (16 bytes a scrape: at most 32 KiB an endpoint), times ascending. Writer: the
+    :class:`Calibrator` that owns it, at each scrape of the endpoint."""
+
+    __slots__ = ("at", "running")
+
+    def __init__(self) -> None:
+        self.at = array("d")
+        self.running = array("d")
+
+    def add(self, at: float, running: float) -> None:
+        """Append a scrape (``at``: its ``updated_at``, seconds). One older than the last kept is
+        ignored (a peer's shared scrape can be), so the times stay ascending."""
+        if self.at and at < self.at[-1]:
+            return
+        if len(self.at) >= 2 * HISTORY:  # drop the older half: amortised O(1) a scrape
+            del self.at[:HISTORY]
+            del self.running[:HISTORY]
+        self.at.append(at)
+        self.running.append(running)
+
+    def running_at(self, t: float) -> float:
+        """The gauge at the last scrape at or before ``t`` (the oldest kept if none is; 0 if
+        empty). A binary search: the scrape path runs it once an endpoint a scrape."""
+        if not self.at:
+            return 0.0
+        i = bisect_right(self.at, t)
+        return self.running[i - 1] if i else self.running[0]
+
+
+def _running_at(hist: GaugeHistory, t: float, d: Delta) -> float:
     """The running gauge at the last scrape at or before ``t`` (the oldest kept if none is);
     the delta's mean when the replica gave no time (``d.ago_s < 0``)."""
     if d.ago_s < 0:
         return d.mean_running
-    for at, running in reversed(hist):
-        if at <= t:
-            return running
-    return hist[0][1]
+    return hist.running_at(t)
 
 
 def _idle(state: EndpointState, d: Delta) -> bool:
@@ -280,8 +309,8 @@ class Calibrator:
     _last: dict[str, EndpointMetrics] = field(default_factory=dict)
     _idle_run: dict[str, int] = field(default_factory=dict)
     """Consecutive idle deltas per endpoint."""
-    _running: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
-    """Per endpoint, the running gauge at its last :data:`HISTORY` scrapes: ``(updated_at, running)``."""
+    _running: dict[str, GaugeHistory] = field(default_factory=dict)
+    """Per endpoint, the running gauge at its last scrapes (:class:`GaugeHistory`)."""
 
     def observe(self, state: EndpointState) -> None:
         """Fold ``state.metrics`` (just scraped) into the sums and refresh ``state.model``."""
@@ -289,8 +318,8 @@ class Calibrator:
         self._last[state.key] = state.metrics
         hist = self._running.get(state.key)
         if hist is None:
-            hist = self._running[state.key] = deque(maxlen=HISTORY)
-        hist.append((state.metrics.updated_at, state.metrics.running))
+            hist = self._running[state.key] = GaugeHistory()
+        hist.add(state.metrics.updated_at, state.metrics.running)
         if prev is None:
             return
         d = delta(prev, state.metrics)

@@ -246,3 +246,26 @@ def test_finish_time_histograms_do_not_bias_the_fit_under_a_ramp() -> None:
     b = arrivals * decode_s
     assert got.step_s(b) == pytest.approx(base + per_seq * b, rel=0.1), got
     assert got.prefill_rate == pytest.approx(rate, rel=0.1), got
+
+
+def test_gauge_history_answers_the_last_scrape_at_or_before_a_time_and_stays_bounded() -> None:
+    """The calibrator's running-gauge history (:class:`picker.core.calibration.GaugeHistory`):
+    the same answer as a scan of every scrape kept, ascending times only, at most
+    ``2 * HISTORY`` scrapes."""
+    from picker.core.calibration import HISTORY, GaugeHistory
+
+    h = GaugeHistory()
+    assert h.running_at(5.0) == 0.0
+    kept: list[tuple[float, float]] = []
+    for i in range(5 * HISTORY):
+        at, running = i * 0.2, float(i % 37)
+        h.add(at, running)
+        kept.append((at, running))
+        if i % 3 == 0:
+            h.add(at - 0.1, 999.0)  # older than the last: ignored
+    assert HISTORY <= len(h.at) <= 2 * HISTORY
+    assert list(h.at) == sorted(h.at)
+    window = kept[-len(h.at) :]
+    for t in (window[0][0] - 1.0, window[0][0], window[5][0] + 0.05, window[-1][0], window[-1][0] + 9.0):
+        naive = next((r for a, r in reversed(window) if a <= t), window[0][1])
+        assert h.running_at(t) == naive, t
