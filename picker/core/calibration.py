@@ -141,6 +141,9 @@ class CalibrationConfig:
             )
         if self.default_step_base_s < 0 or self.default_step_per_seq_s < 0:
             raise ValueError(f"calibration: step times must be >= 0: {self}")
+        if self.min_batch_spread <= 0 or self.min_prefill_spread <= 0:
+            # a zero spread admits a fit over data with none: a division by zero in _step_line
+            raise ValueError(f"calibration: min_batch_spread and min_prefill_spread must be > 0: {self}")
 
     def default_model(self) -> EndpointModel:
         return EndpointModel(

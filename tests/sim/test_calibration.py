@@ -15,7 +15,7 @@ import pytest
 
 from bench import mooncake_trace as trace
 from bench.cluster import Cluster
-from picker.core.calibration import CalibrationConfig, Calibrator, delta
+from picker.core.calibration import HISTORY, CalibrationConfig, Calibrator, GaugeHistory, delta
 from picker.core.endpoints.types import Endpoint, EndpointMetrics, EndpointModel, EndpointState
 from replica.sim.costmodel import Profile
 
@@ -252,8 +252,6 @@ def test_gauge_history_answers_the_last_scrape_at_or_before_a_time_and_stays_bou
     """The calibrator's running-gauge history (:class:`picker.core.calibration.GaugeHistory`):
     the same answer as a scan of every scrape kept, ascending times only, at most
     ``2 * HISTORY`` scrapes."""
-    from picker.core.calibration import HISTORY, GaugeHistory
-
     h = GaugeHistory()
     assert h.running_at(5.0) == 0.0
     kept: list[tuple[float, float]] = []
@@ -269,3 +267,11 @@ def test_gauge_history_answers_the_last_scrape_at_or_before_a_time_and_stays_bou
     for t in (window[0][0] - 1.0, window[0][0], window[5][0] + 0.05, window[-1][0], window[-1][0] + 9.0):
         naive = next((r for a, r in reversed(window) if a <= t), window[0][1])
         assert h.running_at(t) == naive, t
+
+
+def test_a_zero_spread_threshold_is_refused_at_load() -> None:
+    """``min_batch_spread`` and ``min_prefill_spread`` guard the step line's divisions: zero would
+    let a fit divide by a zero variance, so the config refuses it with a clear error."""
+    for field_name in ("min_batch_spread", "min_prefill_spread"):
+        with pytest.raises(ValueError, match=field_name):
+            CalibrationConfig(**{field_name: 0.0})
