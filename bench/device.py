@@ -45,9 +45,7 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from kvlaunch import ENVOY, PY, ROOT
-
-from .device_pack import DEVICE_DIR, WHEELS
+from .device_pack import DEVICE_DIR, ROOT, WHEELS
 
 if TYPE_CHECKING:  # imported once the kit is installed: bench.datapath needs orjson
     from . import datapath as dp
@@ -61,6 +59,10 @@ PEERS = ("vllm-router", "sglang-router")
 B_MARGIN_S = 40.0
 """Part b's own budget is this much under the parent's hard stop (one point, the files)."""
 T0 = float(os.environ.get(T0_ENV, time.time()))
+PY = sys.executable
+ENVOY = str(pathlib.Path(PY).parent / "envoy")
+"""``kvlaunch.PY``/``ENVOY``, named without importing ``kvlaunch``: until :func:`ensure_env` has
+installed the kit this module may import the standard library alone (tests/bench/test_device.py)."""
 
 
 def say(msg: str) -> None:
@@ -70,7 +72,17 @@ def say(msg: str) -> None:
 def installed(kit: str) -> bool:
     """Whether this interpreter can run ``kit``'s routers."""
     if kit == "picker":
-        mods = ("grpc", "google.protobuf", "xds", "aiohttp", "orjson", "zmq", "msgspec", "tokenizers")
+        mods = (
+            "grpc",
+            "google.protobuf",
+            "xds",
+            "cryptography",
+            "aiohttp",
+            "orjson",
+            "zmq",
+            "msgspec",
+            "tokenizers",
+        )
         return pathlib.Path(ENVOY).exists() and all(importlib.util.find_spec(m) for m in mods)
     bins = pathlib.Path(PY).parent
     return all((bins / p).exists() for p in PEERS) and all(

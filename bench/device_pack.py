@@ -38,7 +38,9 @@ import tomllib
 import zipfile
 from dataclasses import dataclass
 
-from kvlaunch import ROOT
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+"""The checkout (``kvlaunch.ROOT``), found without importing ``kvlaunch``: ``bench.device`` reads it
+on the node before the kit that ``kvlaunch`` needs (grpc, cryptography) is installed."""
 
 DEVICE_DIR = ROOT / ".device"
 WHEELS = DEVICE_DIR / "wheels"

@@ -113,6 +113,16 @@ def test_httpload_reads_chunked_and_reconnects(odd_server: int) -> None:
 
 @pytest.mark.envoy
 @pytest.mark.timeout(90)
+def test_script_starts_on_the_standard_library_alone() -> None:
+    """On the node ``bench.device`` runs first in a Python without the kit (it installs it, then
+    re-runs): importing it must need nothing but the standard library. 2026-11-28's first run on
+    the GPU node died at ``import cryptography`` (through ``kvlaunch``) before installing anything."""
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import bench.device; print(bench.device.ROOT)"
+    out = subprocess.run([PY, "-I", "-S", "-c", code, str(ROOT)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(ROOT)
+
+
 def test_picker_runs_without_what_the_kit_leaves_out(tmp_path: pathlib.Path) -> None:
     """The picker kit packs no kubernetes and none of tokenizers' dependencies: a picker that
     cannot import them routes a request through Envoy (static endpoints, as bench.device gives)."""
