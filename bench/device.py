@@ -38,8 +38,10 @@ import pathlib
 import platform
 import shutil
 import signal
+import site
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import asdict
@@ -97,6 +99,24 @@ def choose_kits(arg: str) -> list[str]:
     return packed or [k for k in KITS if installed(k)]
 
 
+def make_venv(venv: pathlib.Path) -> None:
+    """A venv at ``venv`` that sees this interpreter's packages (torch on the node) behind its own.
+
+    ``--system-site-packages`` reaches the *base* interpreter's site-packages only; where this
+    Python is itself a venv (the node's ``/opt/torch/.venv``) torch sits in its own, so a .pth file
+    appends this interpreter's site-packages after the new venv's (the kit's versions win)."""
+    made = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
+    if made.returncode != 0:  # no ensurepip on this Python: a venv without pip, this pip fills it
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+            check=True,
+        )
+    purelib = pathlib.Path(sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)}))
+    parent = [p for p in site.getsitepackages() if pathlib.Path(p).is_dir()]
+    (purelib / "kvpick-parent-site.pth").write_text("".join(f"{p}\n" for p in parent))
+
+
 def ensure_env(kits: list[str], argv: list[str]) -> None:
     """Install the kits into ``.device/venv`` and run again there, unless this interpreter has them."""
     missing = [k for k in kits if not installed(k)]
@@ -108,19 +128,13 @@ def ensure_env(kits: list[str], argv: list[str]) -> None:
     py = venv / "bin" / "python"
     if not py.exists():
         say(f"creating {venv.relative_to(ROOT)} (--system-site-packages) with {sys.executable}")
-        made = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
-        if made.returncode != 0:  # no ensurepip on this Python: a venv without pip, this pip fills it
-            shutil.rmtree(venv, ignore_errors=True)
-            subprocess.run(
-                [sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
-                check=True,
-            )
+        make_venv(venv)
     pip = (
         [str(py), "-m", "pip"]
         if (venv / "bin" / "pip").exists()
         else [sys.executable, "-m", "pip", "--python", str(py)]
     )
-    wheels = [str(w) for k in kits for w in sorted((WHEELS / k).glob("*.whl"))]
+    wheels = list({w.name: str(w) for k in kits for w in sorted((WHEELS / k).glob("*.whl"))}.values())
     if not wheels:
         raise SystemExit(f"bench.device: no wheels under {WHEELS} for {kits}: run `make device-pack` first")
     say(f"installing {len(wheels)} wheels of {', '.join(kits)} (--no-index --no-deps)")

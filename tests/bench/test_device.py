@@ -123,6 +123,26 @@ def test_script_starts_on_the_standard_library_alone() -> None:
     assert out.stdout.strip() == str(ROOT)
 
 
+def test_kit_venv_sees_the_creating_venvs_packages(tmp_path: pathlib.Path) -> None:
+    """The node's python3 is itself a venv (/opt/torch/.venv) and ``--system-site-packages`` skips
+    its packages: 2026-11-28's part b died at ``import torch`` in the kit's venv. The project's own
+    venv stands in for it here: a package only it has (msgspec) imports in the venv made from it,
+    and the new venv's own site-packages come first."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import pathlib; from bench import device; "
+        "device.make_venv(pathlib.Path(sys.argv[2]))"
+    )
+    venv = tmp_path / "venv"
+    subprocess.run([PY, "-c", code, str(ROOT), str(venv)], check=True, timeout=120)
+    probe = "import sys, msgspec, site; print(site.getsitepackages()[0]); print(msgspec.__file__)"
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    own, found = out.stdout.split()
+    assert own.startswith(str(venv)) and not found.startswith(str(venv))
+
+
 def test_picker_runs_without_what_the_kit_leaves_out(tmp_path: pathlib.Path) -> None:
     """The picker kit packs no kubernetes and none of tokenizers' dependencies: a picker that
     cannot import them routes a request through Envoy (static endpoints, as bench.device gives)."""
