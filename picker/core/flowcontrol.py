@@ -560,9 +560,17 @@ class MissPrice:
 
 
 def miss_price(endpoints: Sequence[EndpointState], queued: int) -> float:
-    """``(queued + n - with_room) / max(1, with_room)`` (module docstring), dimensionless."""
-    with_room = sum(map(has_room, endpoints))
-    return (queued + len(endpoints) - with_room) / (with_room if with_room > 1 else 1)
+    """V2: ``(queued + sum over endpoints without room of queue_s / typical_s) / max(1,
+    with_room)``, dimensionless: an endpoint without room counted by its queue in typical
+    requests (measurement variant, bench/results/2026-11-28-flow-control.md)."""
+    with_room = 0
+    depth = 0.0
+    for e in endpoints:
+        if has_room(e):
+            with_room += 1
+        else:
+            depth += queue_s(e) / typical_s(e)
+    return (queued + depth) / (with_room if with_room > 1 else 1)
 
 
 def _cached_on(
@@ -582,11 +590,7 @@ def _wants(
     at the miss price; when that endpoint has no room, chosen again without it (the price only
     reorders the endpoints with room: a queued request never waits for a busy holder that the
     choice without the price would not wait for)."""
-    key = choose(item)
-    if key is not None and key not in keys and price is not None and price.price:
-        priced, price.price = price.price, 0.0
-        key = choose(item)
-        price.price = priced
+    key = choose(item)  # V2: no second, unpriced choice (as V1)
     item.room = None if key is None else frozenset((key,))
     return key is None or key in keys
 
