@@ -562,7 +562,10 @@ class MissPrice:
 def miss_price(endpoints: Sequence[EndpointState], queued: int) -> float:
     """V2: ``(queued + sum over endpoints without room of queue_s / typical_s) / max(1,
     with_room)``, dimensionless: an endpoint without room counted by its queue in typical
-    requests (measurement variant, bench/results/2026-11-28-flow-control.md)."""
+    requests (measurement variant, bench/results/2026-11-28-flow-control.md). V3: 0 while
+    nothing is held (the fast path unpriced)."""
+    if not queued:
+        return 0.0
     with_room = 0
     depth = 0.0
     for e in endpoints:
