@@ -46,7 +46,7 @@ import contextlib
 import dataclasses
 import time
 from collections import OrderedDict, deque
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from picker.core.config import PrefixConfig
@@ -138,7 +138,7 @@ class Tokenization:
                 eligible = self._precise_endpoints(subset)
                 if eligible:
                     return await self._progressive(req, doc, path, eligible)
-            ids: list[int] | None
+            ids: Sequence[int] | None
             done = False
             if size < self.inline_bytes:
                 done, ids = self.local.try_encode(doc, path)

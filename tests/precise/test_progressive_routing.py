@@ -79,7 +79,7 @@ async def test_a_cold_prompt_costs_one_chunk_and_an_estimate(tok_dir: pathlib.Pa
     doc = {"messages": [{"role": "user", "content": document(60_000, 1)}]}
     _, req = await route(d, doc)
     whole = whole_ids(d, doc)
-    assert req.prompt_token_ids == whole[: len(req.prompt_token_ids)], (
+    assert list(req.prompt_token_ids) == whole[: len(req.prompt_token_ids)], (
         "exactly the whole tokenization's prefix"
     )
     assert len(req.prompt_token_ids) < 8192, "one chunk (8192 characters) tokenized, not the prompt"
@@ -125,9 +125,9 @@ async def test_the_next_turn_tokenizes_only_its_suffix(tok_dir: pathlib.Path) ->
         key, req = await route(d, {"messages": list(history)})
         endpoints.add(key)
         whole = whole_ids(d, {"messages": history})
-        assert req.prompt_token_ids == whole[: len(req.prompt_token_ids)]
+        assert list(req.prompt_token_ids) == whole[: len(req.prompt_token_ids)]
         if turn:  # its endpoint holds the history: tokenized to the end
-            assert req.prompt_token_ids == whole, "the whole prompt, exactly"
+            assert list(req.prompt_token_ids) == whole, "the whole prompt, exactly"
         if turn >= 2:  # the history's ids come from the cache
             assert sum(encoded) < 2 * 16384, f"turn {turn} re-tokenized {sum(encoded)} characters"
         # the engine's KV events: the endpoint now holds the whole prompt (as BlockStored says)

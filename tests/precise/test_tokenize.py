@@ -136,7 +136,7 @@ def test_prefix_cache_is_exact(tok_dir: pathlib.Path) -> None:
         cut = rng.randrange(2500, len(base))
         tail = rng.choice(["  spaced  out ", "ünï ✓ code", "x", " the cache", "\n\nnew para", "12345"])
         text = base[:cut] + tail + " ".join(_corpus(3, seed=i))
-        assert ours.encode({"prompt": text}, "/v1/completions") == raw.encode(text).ids, i
+        assert list(ours.encode({"prompt": text}, "/v1/completions") or ()) == raw.encode(text).ids, i
     assert ours.cache.hits >= 25, "the shared prefix was reused"
 
 

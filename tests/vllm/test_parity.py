@@ -168,13 +168,13 @@ async def test_parity_on_every_api(tmp_path: pathlib.Path, tiny_model_dir: pathl
                     if body.pop("_as_ids", False):
                         ids0 = tok.encode({"prompt": body["prompt"]}, "/v1/completions")
                         assert ids0 is not None
-                        body["prompt"] = ids0
+                        body["prompt"] = list(ids0)
                     req, doc = parse(orjson.dumps(body), case.path, {}, opts=opts)
                     before = dict(tok.approximate)
                     ids = (
                         list(req.prompt_token_ids)
                         if req.prompt_token_ids is not None
-                        else tok.encode(doc, case.path)
+                        else (None if (got := tok.encode(doc, case.path)) is None else list(got))
                     )
                     if not case.sent:
                         assert ids is None, f"{case.shape}: the picker must fall back, not claim precise"

@@ -21,10 +21,14 @@ of the ids, for one block size, LoRA adapter, salt and special head: the ``tag``
 prefix's keys are reused as its ids are (:meth:`HFPromptTokenizer.begin`); the cache only stores
 and returns them.
 
-Memory: at most ``max_tokens`` ids (each a Python list slot and, for values above 256, an int
-object; its end offset 8 bytes in an array; about 48 bytes per id), their keys (one per block of
-ids, a list slot and an int object: under 3 bytes per id at 16 tokens per block) and the texts
-they came from.
+Ids are kept as ``array('I')`` (4 bytes each), not lists: a hit's cut of a 100k-id prefix is one
+memcpy of 400 KB (about 25 µs) instead of a 100k-slot list copy that touches every int object
+(0.35-0.45 ms measured in the bench's conversation, bench/results/2026-11-28-parity.md), and a
+cached id costs 4 bytes instead of a list slot plus, above 256, an int object.
+
+Memory: at most ``max_tokens`` ids (4 bytes each in an array, their end offsets 8 bytes each),
+their keys (one per block of ids, a list slot and an int object: under 3 bytes per id at 16
+tokens per block) and the texts they came from.
 """
 
 from __future__ import annotations
@@ -41,9 +45,12 @@ MIN_CHARS = 2048
 
 Plain = tuple[list[int], list[int]]
 """What the tokenizer gives: (token ids, end offset of each token in characters)."""
-Encoded = tuple[list[int], "array[int]"]
-"""What the cache keeps: (token ids, end offsets as an array of signed 64-bit ints: slicing and
-joining it copies bytes, not objects)."""
+Encoded = tuple["array[int]", "array[int]"]
+"""What the cache keeps: (token ids as an array of unsigned 32-bit ints, end offsets as an array
+of signed 64-bit ints: slicing and joining them copies bytes, not objects)."""
+
+IDS = "I"
+"""The array type code of token ids (unsigned 32-bit: every vocabulary fits)."""
 Keyed = tuple[Hashable, list[int]]
 """(tag, keys): block keys of an entry's ids, and what they were computed for (the caller's)."""
 
@@ -63,7 +70,8 @@ class PrefixTokenCache:
         self.tokens = 0
         """Ids held in all (at most ``max_tokens``, one text's ids excepted)."""
 
-    def ids(self, text: str) -> list[int]:
+    def ids(self, text: str) -> Sequence[int]:
+        """``text``'s ids (a list for a short text, else the cache's array: not to be mutated)."""
         if len(text) < MIN_CHARS:
             return self.encode(text)[0]
         ids, ends, n, _ = self.prefix(text)
@@ -71,20 +79,21 @@ class PrefixTokenCache:
             enc = (ids, ends)
         elif n:
             rest_ids, rest_ends = self.encode(text[n:])
-            enc = (ids + rest_ids, ends + array("q", [n + e for e in rest_ends]))
+            enc = (ids + array(IDS, rest_ids), ends + array("q", [n + e for e in rest_ends]))
         else:
             plain_ids, plain_ends = self.encode(text)
-            enc = (plain_ids, array("q", plain_ends))
+            enc = (array(IDS, plain_ids), array("q", plain_ends))
         self.store(text, enc)
         return enc[0]
 
-    def prefix(self, text: str) -> tuple[list[int], array[int], int, Keyed | None]:
+    def prefix(self, text: str) -> tuple[array[int], array[int], int, Keyed | None]:
         """The remembered tokens of ``text``'s longest known prefix, cut where they are exact:
         (ids, ends, characters they cover, the entry's keys and their tag if it has some; they
-        may cover more ids than those returned). Not copied: the caller must not mutate them."""
+        may cover more ids than those returned). A cut is a fresh copy of the arrays (a memcpy);
+        an exact hit returns the cache's own, which the caller must not mutate."""
         hit = self._memo.get(text[:KEY_CHARS])
         if hit is None:
-            return [], array("q"), 0, None
+            return array(IDS), array("q"), 0, None
         old, (ids, ends), keyed = hit
         if old == text:
             self.hits += 1
@@ -92,7 +101,7 @@ class PrefixTokenCache:
         n = common_prefix(old, text)
         k = cut(ends, text, n, self.backoff)
         if k == 0:
-            return [], array("q"), 0, None
+            return array(IDS), array("q"), 0, None
         self.hits += 1
         return ids[:k], ends[:k], ends[k - 1], keyed
 

@@ -22,6 +22,7 @@ import json
 import pathlib
 import threading
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,7 +31,7 @@ from tokenizers import Tokenizer
 from picker.core.prefix.precise import continue_keys
 from picker.core.tokenize import apis
 from picker.core.tokenize.apis import REASONS, Unrenderable
-from picker.core.tokenize.cache import Plain, PrefixTokenCache, cut
+from picker.core.tokenize.cache import IDS, Plain, PrefixTokenCache, cut
 from picker.core.tokenize.chat import ChatTemplate
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -49,8 +50,9 @@ class Keying:
 @dataclass(slots=True)
 class Progress:
     """A prompt tokenized part of the way (:meth:`HFPromptTokenizer.begin`, :meth:`advance`):
-    ``ids`` are exactly the first ``len(ids)`` ids of the whole text's tokenization (without the
-    tokenizer's special head and tail), covering ``text[:pos]``; ``pos == len(text)`` once done.
+    ``ids`` (an ``array('I')``, as the cache keeps them) are exactly the first ``len(ids)`` ids of
+    the whole text's tokenization (without the tokenizer's special head and tail), covering
+    ``text[:pos]``; ``pos == len(text)`` once done.
     With a ``keying``, ``keys`` are the KV-block keys of the request's ids so far
     (``request_keys(ids_of(p), ...)``: the head, the ids, and the tail once done), else empty.
     Replaced, never mutated in place, by :meth:`HFPromptTokenizer.advance` (the cache and the
@@ -58,7 +60,7 @@ class Progress:
 
     text: str
     special: bool
-    ids: list[int]
+    ids: array[int]
     ends: array[int]
     pos: int
     keys: list[int] = field(default_factory=list)
@@ -90,12 +92,13 @@ class Progress:
 
 
 class PromptTokenizer(Protocol):
-    def encode(self, doc: dict[str, Any], path: str) -> list[int] | None:
+    def encode(self, doc: dict[str, Any], path: str) -> Sequence[int] | None:
         """The prompt token ids vLLM will compute for this body, or None when they cannot be
-        reproduced here (media, an unrenderable template, no prompt)."""
+        reproduced here (media, an unrenderable template, no prompt). Not to be mutated (a long
+        prompt's may be the tokenization cache's own array)."""
         ...
 
-    def try_encode(self, doc: dict[str, Any], path: str) -> tuple[bool, list[int] | None]:
+    def try_encode(self, doc: dict[str, Any], path: str) -> tuple[bool, Sequence[int] | None]:
         """``(True, encode(...))`` at once, or ``(False, None)`` when that would wait for another
         thread's encode: the event loop calls it, and must not wait on a long prompt's."""
         ...
@@ -119,7 +122,7 @@ class PromptTokenizer(Protocol):
         """``p`` about ``chars`` characters further, its ids still exact."""
         ...
 
-    def ids_of(self, p: Progress, tail: bool = True) -> list[int]:
+    def ids_of(self, p: Progress, tail: bool = True) -> Sequence[int]:
         """The request's ids as far as ``p`` goes (``tail``: the special tail once done)."""
         ...
 
@@ -154,7 +157,7 @@ class HFPromptTokenizer:
         (enc,) = self.tok.encode_batch([text], add_special_tokens=False)
         return enc.ids, [e for _, e in enc.offsets]
 
-    def text_ids(self, text: str, special: bool) -> list[int]:
+    def text_ids(self, text: str, special: bool) -> Sequence[int]:
         ids = (
             self.cache.ids(text)
             if self.cache is not None
@@ -162,11 +165,11 @@ class HFPromptTokenizer:
         )
         return [*self._head, *ids, *self._tail] if special and (self._head or self._tail) else ids
 
-    def encode(self, doc: dict[str, Any], path: str) -> list[int] | None:
+    def encode(self, doc: dict[str, Any], path: str) -> Sequence[int] | None:
         with self._lock:
             return self._encode(doc, path)
 
-    def try_encode(self, doc: dict[str, Any], path: str) -> tuple[bool, list[int] | None]:
+    def try_encode(self, doc: dict[str, Any], path: str) -> tuple[bool, Sequence[int] | None]:
         if not self._lock.acquire(blocking=False):
             return False, None
         try:
@@ -174,14 +177,14 @@ class HFPromptTokenizer:
         finally:
             self._lock.release()
 
-    def _encode(self, doc: dict[str, Any], path: str) -> list[int] | None:
+    def _encode(self, doc: dict[str, Any], path: str) -> Sequence[int] | None:
         try:
             return self._ids(doc, path)
         except Unrenderable as exc:
             self._approximate[exc.reason] += 1
             return None
 
-    def _ids(self, doc: dict[str, Any], path: str) -> list[int]:
+    def _ids(self, doc: dict[str, Any], path: str) -> Sequence[int]:
         """The prompt ids, or :class:`Unrenderable` saying why they cannot be had."""
         text, special = self._prompt(doc, path)
         return self.text_ids(text, special)
@@ -224,7 +227,9 @@ class HFPromptTokenizer:
         head = len(self._head) if special else 0
         with self._lock:
             cache = self.cache
-            ids, ends, n, keyed = cache.prefix(text) if cache is not None else ([], array("q"), 0, None)
+            ids, ends, n, keyed = (
+                cache.prefix(text) if cache is not None else (array(IDS), array("q"), 0, None)
+            )
             p = Progress(text, special, ids, ends, n, [], keying, head)
             if keying is not None:
                 known: list[int] = []
@@ -269,10 +274,10 @@ class HFPromptTokenizer:
         new_ends = array("q", [start + e for e in seg_ends[:k]])
         if in_place:
             ids, ends = p.ids, p.ends
-            ids += seg_ids[:k]
+            ids.extend(seg_ids[:k])
             ends += new_ends
         else:
-            ids, ends = p.ids + seg_ids[:k], p.ends + new_ends
+            ids, ends = p.ids + array(IDS, seg_ids[:k]), p.ends + new_ends
         q = Progress(text, p.special, ids, ends, pos, known, p.keying, p.head)
         if q.keying is not None:
             q.keys = self._keys(q, known)
@@ -296,12 +301,12 @@ class HFPromptTokenizer:
             rest = [*rest, *tail]
         return [*known, *continue_keys(known, rest, bs, keying.lora, keying.salt)]
 
-    def ids_of(self, p: Progress, tail: bool = True) -> list[int]:
+    def ids_of(self, p: Progress, tail: bool = True) -> Sequence[int]:
         """The request's ids as far as ``p`` goes: the special head, and (``tail``) the tail once
-        done."""
+        done (an array; ``p.ids`` itself when there is neither)."""
         if not (p.special and (self._head or self._tail)):
             return p.ids
-        return [*self._head, *p.ids, *(self._tail if p.done and tail else ())]
+        return array(IDS, self._head) + p.ids + array(IDS, self._tail if p.done and tail else ())
 
     def _from_anthropic(self, doc: dict[str, Any]) -> dict[str, Any]:
         if self.chat is None:
