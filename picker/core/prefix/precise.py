@@ -29,7 +29,11 @@ State, one writer each:
   engine hash): derived from ``_held``, same writer.
 - ``_spec_mask`` / ``_spec_until``: speculative entries, written by :meth:`speculate` (the router,
   at pick time) and expired lazily by :meth:`match`; :meth:`forget` (an endpoint restarted) and
-  :meth:`remove` (it left the pool) drop an endpoint's all at once.
+  :meth:`remove` (it left the pool) drop an endpoint's all at once. ``_spec_until[slot]`` maps
+  each key to its :class:`Run`: keys speculated together share one expiry object, so that a pick
+  that re-sends a held prefix (the next turn of a conversation, another question on a document)
+  re-times that prefix's keys by one assignment instead of one dict write per key, and a look-up
+  steps over them by one tuple comparison (below).
 
 Invariants (``check``): bit ``s`` of ``_mask[k]`` is set iff some entry of ``_held[s]`` maps to
 ``k``; an endpoint never holds more than ``max_blocks`` engine hashes (past that it is dropped as
@@ -37,9 +41,11 @@ out of sync: we must have missed removals); speculative entries number at most `
 
 A lookup walks the request's keys once for all endpoints at a time (AND of bitmasks), so its cost
 is O(blocks), not O(blocks × endpoints); once at most ``FEW`` endpoints still match (a held
-prompt is usually on one or two), each of those goes on alone through C-level scans of its runs
-of held keys (:meth:`PreciseIndex._depth`). Either way an endpoint's match is the number of
-leading keys it holds, confirmed or speculatively (property tests hold it to a naive walk).
+prompt is usually on one or two), each of those goes on alone: over a whole speculative
+:class:`Run` that the keys repeat, in one step; then through C-level scans of its runs of held
+keys (:meth:`PreciseIndex._depth`). Either way an endpoint's match is the number of leading keys
+it holds, confirmed or speculatively (property tests hold it to a naive walk, and the runs to a
+per-key model of the speculative entries: ``tests/precise/test_spec_runs.py``).
 """
 
 from __future__ import annotations
@@ -137,6 +143,37 @@ def continue_keys(
     return chain_keys(rest, block_size, [[lora]] * n if lora else None, keys[-1])
 
 
+class Run:
+    """Keys speculated on one endpoint that share one expiry (one slot's ``_spec_until`` values).
+
+    ``keys``: a stretch of one speculation's keys, in order; ``exp``: the expiry of every key that
+    maps to this run; ``owned``: how many keys map to it. The run is *whole* when ``owned ==
+    len(keys)``: then its keys are distinct and every one maps to it, so a speculation that repeats
+    ``keys`` may re-time them all by setting ``exp``, and a look-up may step over them at once.
+    A key speculated again apart from its run leaves it (``owned`` drops: no longer whole).
+    Writer: :class:`PreciseIndex` only (its speculate / expire / drop). Memory: the ``keys`` tuple
+    (slots shared with the queued speculations' tuples' int objects) lives while one key maps to
+    the run; a run's keys are a stretch of a speculation still queued, so the runs hold at most as
+    many slots as the queue does."""
+
+    __slots__ = ("exp", "keys", "owned")
+
+    def __init__(self, exp: float, keys: tuple[int, ...] = (), owned: int = 0) -> None:
+        self.exp, self.keys, self.owned = exp, keys, owned
+
+
+def _shared(a: tuple[int, ...], b: tuple[int, ...], i: int) -> int:
+    """Length of the longest common prefix of ``a`` and ``b[i:]`` (C-level slice compares)."""
+    lo, hi = 0, min(len(a), len(b) - i)
+    while lo < hi:  # a[:lo] == b[i : i + lo], and the answer is at most hi
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[i + lo : i + mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class PreciseIndex:
     def __init__(
         self, max_blocks: int = 1_000_000, spec_ttl_s: float = 2.0, max_speculative: int = 1_000_000
@@ -153,7 +190,8 @@ class PreciseIndex:
         self._dup: dict[int, dict[int, int]] = {}
         """Per slot: our key → engine hashes beyond the first that carry it (rarely non-empty)."""
         self._spec_mask: dict[int, int] = {}
-        self._spec_until: dict[int, dict[int, float]] = {}
+        self._spec_until: dict[int, dict[int, Run]] = {}
+        """Per slot: key → its run (the key's expiry is the run's ``exp``)."""
         self._spec_queue: deque[tuple[float, int, tuple[int, ...]]] = deque()
         """(expiry, slot, keys) per speculation, oldest first. The keys are a tuple: a tuple of ints
         is untracked by the cyclic GC after its first collection, so a full collection does not walk
@@ -288,20 +326,51 @@ class PreciseIndex:
 
     # --- speculative entries ----------------------------------------------------------------
     def speculate(self, key: str, keys: Sequence[int], now: float) -> None:
-        """Mark ``keys`` as held by ``key`` until ``now + spec_ttl_s`` (a pick just sent them)."""
+        """Mark ``keys`` as held by ``key`` until ``now + spec_ttl_s`` (a pick just sent them).
+
+        The same as setting each key's expiry to ``now + spec_ttl_s``: a stretch of ``keys`` that
+        repeats a whole :class:`Run` re-times that run (one assignment; a run that ``keys`` repeat
+        only in part is split first, the rest keeping its expiry); the other keys, one by one,
+        join a new run."""
         if not keys or self.spec_ttl_s <= 0:
             return
         self._expire(now)
         s = self.slot(key)
         until, bit, smask = self._spec_until[s], 1 << s, self._spec_mask
         exp = now + self.spec_ttl_s
-        sget, n0 = smask.get, len(until)
-        for k in keys:
-            if k not in until:
-                smask[k] = sget(k, 0) | bit
-            until[k] = exp
+        sget, uget, n0 = smask.get, until.get, len(until)
+        tk = tuple(keys)
+        n, i = len(tk), 0
+        while i < n:
+            r = uget(tk[i])
+            if r is not None and r.owned == len(r.keys) and r.keys[0] == tk[i]:  # a whole run starts here
+                m = len(r.keys)
+                j = m if tk[i : i + m] == r.keys else _shared(r.keys, tk, i)
+                if j < m:  # keys repeats its first j keys only: the rest keeps its expiry apart
+                    rest = Run(r.exp, r.keys[j:], m - j)
+                    for k in rest.keys:
+                        until[k] = rest
+                    r.keys, r.owned = r.keys[:j], j
+                r.exp = exp
+                i += j
+                continue
+            start, new = i, Run(exp)  # a stretch no whole run starts at: its keys one by one
+            while i < n:
+                k = tk[i]
+                r = uget(k)
+                if r is not new:
+                    if r is None:
+                        smask[k] = sget(k, 0) | bit
+                    elif i > start and r.owned == len(r.keys) and r.keys[0] == k:
+                        break  # a whole run starts here
+                    else:
+                        r.owned -= 1
+                    until[k] = new
+                    new.owned += 1
+                i += 1
+            new.keys = tk[start:i]
         self._spec_count += len(until) - n0
-        self._spec_queue.append((exp, s, tuple(keys)))
+        self._spec_queue.append((exp, s, tk))
         while self._spec_count > self.max_speculative and self._spec_queue:
             self._expire_one()
 
@@ -316,15 +385,25 @@ class PreciseIndex:
         if until is None:
             return
         keep, smask, uget, sget = ~(1 << s), self._spec_mask, until.get, self._spec_mask.get
-        later, n0 = exp + 1, len(until)
-        for k in keys:
-            if uget(k, later) <= exp:  # not refreshed since (a repeated key: gone the first time)
-                del until[k]
-                m = sget(k, 0) & keep
-                if m:
-                    smask[k] = m
-                else:
-                    smask.pop(k, None)
+        n0, i, n = len(until), 0, len(keys)
+        while i < n:
+            k = keys[i]
+            r = uget(k)
+            if r is None:
+                i += 1
+                continue
+            if r.exp > exp:  # re-timed since: kept; a whole run re-timed is stepped over at once
+                j = len(r.keys)
+                i += j if r.owned == j and r.keys[0] == k and keys[i : i + j] == r.keys else 1
+                continue
+            del until[k]  # not re-timed since (a repeated key: gone the first time)
+            r.owned -= 1
+            m = sget(k, 0) & keep
+            if m:
+                smask[k] = m
+            else:
+                smask.pop(k, None)
+            i += 1
         self._spec_count -= n0 - len(until)
 
     def _drop_speculative(self, s: int) -> None:
@@ -376,8 +455,16 @@ class PreciseIndex:
         C-level iterators (a long held prompt is one run), switching at each key the run's kind
         lacks."""
         bit, until, n = 1 << s, self._spec_until[s], len(keys)
-        held, cget = bit.__and__, self._mask.get
+        held, cget, uget = bit.__and__, self._mask.get, until.get
         for _ in range(RUNS):  # a run held speculatively, then a run held by events, ...
+            while i < n:  # whole speculative runs that the keys repeat: each in one step
+                r = uget(keys[i])
+                if r is None or r.owned != len(r.keys) or r.keys[0] != keys[i]:
+                    break
+                m = len(r.keys)
+                if tuple(keys[i : i + m]) != r.keys:
+                    break
+                i += m
             i = next(compress(count(i), map(not_, map(until.__contains__, islice(keys, i, None)))), n)
             if i == n:
                 return n
@@ -440,6 +527,15 @@ class PreciseIndex:
                 want[k] = want.get(k, 0) | (1 << s)
         assert want == self._mask, "the key → slots bitmask disagrees with the per-endpoint tables"
         assert self._spec_count == sum(len(u) for u in self._spec_until.values()), "speculative count drifted"
+        for s, until in self._spec_until.items():
+            owned: dict[int, list[int]] = {}
+            runs = {id(r): r for r in until.values()}
+            for k, r in until.items():
+                owned.setdefault(id(r), []).append(k)
+                assert self._spec_mask.get(k, 0) >> s & 1, f"slot {s}: speculative key {k} not in the mask"
+            for rid, r in runs.items():
+                assert r.owned == len(owned[rid]), f"slot {s}: a run's count of its keys drifted"
+                assert set(owned[rid]) <= set(r.keys), f"slot {s}: keys map to a run without them"
 
 
 class State(enum.Enum):
