@@ -10,8 +10,9 @@ index and tokenizer; ``--endpoints`` endpoints, every one precise), for four wor
 
 After each pick the chosen endpoint is told it holds the whole prompt, as its vLLM's KV events
 (``BlockStored``) would say after the prefill (a long-lived entry in the precise index; the ids
-for it are computed outside the measured window). CPU is the process's threads' run time from
-``/proc/self/task/*/schedstat`` over each workload's requests, divided by their number (worker threads that end lose their time; asyncio's default executor keeps them); peak
+for it are computed outside the measured window). CPU is the process's run time, all its threads
+(``time.process_time()``: a running thread's ``/proc`` schedstat lags by up to a slice, see
+:func:`cpu_s`), over each workload's requests, divided by their number; peak
 memory is the process's ``VmHWM`` from ``/proc/self/status`` (the whole-prompt tokenizations that
 stand in for the events count in it, alike for both sides). The estimate error is
 that of the prompt length a progressive tokenization reports against the whole prompt's tokens.
@@ -37,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from typing import Any
 
@@ -86,7 +88,16 @@ def cpu_s(pid: int | str = "self", children: bool = False) -> float:
     """CPU seconds of process ``pid``'s live threads (this process by default), from
     ``/proc/PID/task/*/schedstat`` (nanoseconds; ``/proc/PID/stat`` counts 10 ms ticks).
     ``children``: plus those of its live child processes, and theirs (the picker's body-parse
-    worker, :mod:`picker.serving.offload`, is one)."""
+    worker, :mod:`picker.serving.offload`, is one).
+
+    This process's own: ``time.process_time()`` (``CLOCK_PROCESS_CPUTIME_ID``, the same kernel
+    accounting, every thread). A thread's ``schedstat`` leaves out the run time of the slice it is
+    in, so the thread reading it, still running, reads a figure up to a slice old: 3 ms of busy
+    loop read as 0.03-4.0 ms (the run before a measured window, here the stand-in for the KV
+    events, leaked into it; bench/results/2026-11-28-parity.md)."""
+    if pid == "self":
+        own = time.process_time()
+        return own + sum(cpu_s(c, children=True) for c in _children(pid)) if children else own
     total = 0
     for task in os.listdir(f"/proc/{pid}/task"):
         try:

@@ -123,8 +123,9 @@ class PrefixConfig:
     """Texts whose tokenization is kept for reuse by requests sharing their prefix (0: off; off
     for a tokenizer that does not split words at whitespace, see ``picker.core.tokenize.cache``)."""
     tokenizer_cache_tokens: int = 1 << 20
-    """Bound on the token ids the tokenization cache holds in all (about 72 bytes each with their
-    offsets, so 72 MiB at the default, plus the texts they came from)."""
+    """Bound on the token ids the tokenization cache holds in all (12 bytes each with their
+    offsets: 4 for the id, 8 for its end offset, in arrays; 12 MiB at the default, plus their
+    block keys and the texts they came from)."""
     progressive_chars: int = 65536
     """Prompts whose text is at least this long are tokenized progressively: a first chunk of
     ``tokenize_chunk_chars``, then chunks twice as long, each only while some endpoint holds every
