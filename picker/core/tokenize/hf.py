@@ -56,7 +56,7 @@ class Progress:
     With a ``keying``, ``keys`` are the KV-block keys of the request's ids so far
     (``request_keys(ids_of(p), ...)``: the head, the ids, and the tail once done), else empty.
     Replaced, never mutated in place, by :meth:`HFPromptTokenizer.advance` (the cache and the
-    request may share the lists)."""
+    request may share the arrays and lists)."""
 
     text: str
     special: bool
@@ -223,7 +223,7 @@ class HFPromptTokenizer:
         """``text``'s tokenization as far as the cache already knows it, with the keys of those
         ids (``keying``): the cache's where it holds them, the rest hashed. When at most ``last``
         characters are left after that, they are tokenized too (as :meth:`advance` would, but
-        extending the cut's ids in place: a cut from the cache is a fresh list, one copy saved)."""
+        extending the cut's ids in place: a cut from the cache is a fresh array, one copy saved)."""
         head = len(self._head) if special else 0
         with self._lock:
             cache = self.cache
@@ -253,7 +253,7 @@ class HFPromptTokenizer:
             return self._advance(p, chars, in_place=False)
 
     def _advance(self, p: Progress, chars: int, in_place: bool) -> Progress:
-        """:meth:`advance` under the lock; ``in_place``: ``p``'s lists are extended (``p`` is
+        """:meth:`advance` under the lock; ``in_place``: ``p``'s arrays are extended (``p`` is
         spent: only :meth:`begin`'s own cut may be)."""
         text, start = p.text, p.pos
         while True:
