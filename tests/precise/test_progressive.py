@@ -175,3 +175,24 @@ def test_progressive_over_rendered_chat_templates(
     longer = ours.prompt_text(doc, "/v1/chat/completions")
     assert longer is not None
     check(ours, longer[0], chunk, text, keying)
+
+
+def test_a_cut_extended_in_place_leaves_earlier_ids_alone(tok_dir: pathlib.Path) -> None:
+    """The ids are arrays shared by the cache and the requests: ``begin`` extends only its own
+    fresh cut in place. An earlier request's ids and the cache's exact hit stay as they were,
+    and the extended ids are the whole tokenization's."""
+    ours = load(str(tok_dir))
+    keying = Keying(16)
+    base = " ".join(f"block{i} the cache router7" for i in range(400))
+    first = ours.begin(base, False, keying, last=1 << 20)
+    assert first.done
+    snapshot = (first.ids.tobytes(), first.ends.tobytes(), list(first.keys))
+    again = ours.begin(base, False, keying)  # an exact hit: the cache's own arrays
+    longer = base + " and then a new turn" * 30
+    grown = ours.begin(longer, False, keying, last=1 << 20)  # a cut of them, extended in place
+    assert grown.done and list(grown.ids) == ours.tok.encode(longer, add_special_tokens=False).ids
+    assert grown.keys == request_keys(grown.ids, 16)
+    for p in (first, again):
+        assert (p.ids.tobytes(), p.ends.tobytes(), list(p.keys)) == snapshot, (
+            "an earlier request's ids changed"
+        )
