@@ -559,12 +559,12 @@ class MissPrice:
     price: float = 0.0
 
 
-def miss_price(endpoints: Sequence[EndpointState], queued: int, held_recently: bool = False) -> float:
+def miss_price(endpoints: Sequence[EndpointState], queued: int) -> float:
     """V2: ``(queued + sum over endpoints without room of queue_s / typical_s) / max(1,
     with_room)``, dimensionless: an endpoint without room counted by its queue in typical
-    requests (measurement variant, bench/results/2026-11-28-flow-control.md). V4: 0 unless
-    requests are held or were held within the last typical request time (``held_recently``)."""
-    if not queued and not held_recently:
+    requests (measurement variant, bench/results/2026-11-28-flow-control.md). V3: 0 while
+    nothing is held (the fast path unpriced)."""
+    if not queued:
         return 0.0
     with_room = 0
     depth = 0.0
@@ -632,8 +632,6 @@ class FlowController(Generic[P]):
         self.choose = choose
         self.price = price
         """Written before each dispatch (:func:`miss_price`); None: not kept."""
-        self._held_at = -math.inf
-        """The last moment requests were held here (seconds, the caller's clock; V4)."""
         """The normal policy's endpoint for a request, over every routable endpoint, committing
         nothing (None: it cannot be routed; dispatch answers it). None: bind to any with room."""
         self.queue: FlowQueue[P] = FlowQueue(cfg)
@@ -710,7 +708,7 @@ class FlowController(Generic[P]):
             if at_once is not False:
                 q.finish(item, Outcome.DISPATCHED, now)
                 item.room = None if at_once is True else at_once
-                self._price(endpoints, now)
+                self._price(endpoints)
                 self.dispatch(item)
                 return Admission(item, None)
         if not q.push(item, now):
@@ -718,15 +716,13 @@ class FlowController(Generic[P]):
                 q.finish(item, Outcome.REJECTED_FULL, now)
                 return Admission(item, Outcome.REJECTED_FULL, self.retry_after(item.band))
             q.finish(item, Outcome.DISPATCHED_FULL, now)  # never 429 for a request that may not be shed
-            self._price(self.endpoints(), now)
+            self._price(self.endpoints())
             self.dispatch(item)
             return Admission(item, None)
         self.pump(now)
         return Admission(item, None)
 
-    def pass_through(
-        self, band: int, endpoints: Sequence[EndpointState], now: float = -math.inf
-    ) -> bool | frozenset[str]:
+    def pass_through(self, band: int, endpoints: Sequence[EndpointState]) -> bool | frozenset[str]:
         """The fast path of a request without a TTFT objective, as :meth:`offer` would have
         dispatched it at once: nothing is queued and its band may go (:meth:`room`). False: the
         caller offers it. Else it is counted ``dispatched`` (wait 0) and the caller routes it
@@ -745,25 +741,13 @@ class FlowController(Generic[P]):
         if room is not False:
             key = (band, Outcome.DISPATCHED.label)
             q.counts[key] = q.counts.get(key, 0) + 1
-            self._price(endpoints, now)
+            self._price(endpoints)
         return room
 
-    def _price(self, endpoints: Sequence[EndpointState], now: float) -> None:
-        """Set :attr:`price` for the dispatch about to be routed (module docstring). V4: priced
-        while requests are held and for one typical request time (the pool's mean
-        ``typical_s``) after the last moment they were."""
-        if self.price is None:
-            return
-        queued = len(self.queue)
-        if queued:
-            self._held_at = now
-            recent = True
-        elif endpoints and now > -math.inf:
-            window = sum(map(typical_s, endpoints)) / len(endpoints)
-            recent = now - self._held_at < window
-        else:
-            recent = False
-        self.price.price = miss_price(endpoints, queued, recent)
+    def _price(self, endpoints: Sequence[EndpointState]) -> None:
+        """Set :attr:`price` for the dispatch about to be routed (module docstring)."""
+        if self.price is not None:
+            self.price.price = miss_price(endpoints, len(self.queue))
 
     def room(self, band: int, endpoints: Sequence[EndpointState]) -> list[EndpointState]:
         """The endpoints ``band`` may be bound to now: those with room (``has_room``) for the
@@ -799,7 +783,6 @@ class FlowController(Generic[P]):
         q = self.queue
         if not len(q):
             return 0
-        self._held_at = now
         endpoints = self.endpoints()
         for item in list(q.expired(now, not endpoints)):
             if not endpoints:
@@ -811,7 +794,7 @@ class FlowController(Generic[P]):
             else:
                 q.finish(item, Outcome.DISPATCHED_TTL, now)
                 item.room = None  # sent on without room: anywhere
-                self._price(endpoints, now)
+                self._price(endpoints)
                 self.dispatch(item)
         sent = 0
         while len(q):
@@ -821,7 +804,7 @@ class FlowController(Generic[P]):
                 break
             local, choose = self.local, self.choose
             keys = frozenset(e.key for e in room)
-            self._price(endpoints, now)  # before ``choose``: the choice and the dispatch see one price
+            self._price(endpoints)  # before ``choose``: the choice and the dispatch see one price
             nxt = q.pop(
                 now,
                 functools.partial(_cached_on, local, room) if local is not None else None,
@@ -859,7 +842,7 @@ class FlowController(Generic[P]):
             if endpoints:
                 q.finish(item, Outcome.DRAINED, now)
                 item.room = None
-                self._price(endpoints, now)
+                self._price(endpoints)
                 self.dispatch(item)
             else:
                 q.finish(item, Outcome.NO_ENDPOINTS, now)

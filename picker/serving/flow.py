@@ -172,7 +172,7 @@ class FlowGate:
         endpoints = self.router.pool.routable()
         if subset is not None:
             endpoints = [e for e in endpoints if e.key in subset]
-        room = self.fc.pass_through(self.router.objectives.priority(req.objective), endpoints, self.clock())
+        room = self.fc.pass_through(self.router.objectives.priority(req.objective), endpoints)
         if room is False:
             return False
         return subset if room is True else room
