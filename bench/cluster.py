@@ -273,7 +273,6 @@ class Cluster:
                     self._shed,
                     self._local(r),
                     self._choose(r),
-                    r.miss_price,
                 )
                 fc.queue.keep_waits = True
                 self.flows[id(r)] = fc

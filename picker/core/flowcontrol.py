@@ -101,31 +101,8 @@ requests (0 slack: strict fair order, deadline order within a flow).
 
 A 429 carries ``Retry-After``: the predicted time to serve the work queued in its band and above.
 
-**The price of a miss while saturated** (:class:`MissPrice`). Each time the controller judges
-room for a dispatch (the fast path, the pump), it sets the extra charge the ``cost`` scorer puts
-on a miss (:mod:`picker.core.scheduling.cost`, ``Cycle.miss_price``), in units of the miss's own
-prefill time on the endpoint that takes it::
-
-    price = waiting / max(1, with_room)          (dimensionless)
-    waiting = queued + (n - with_room)           (requests)
-
-``n`` routable endpoints, ``with_room`` of them with room (``has_room``), ``queued`` requests
-held here. An endpoint without room holds at least one typical request's work beyond its room
-(the saturation rule), so ``waiting`` is the demand in line for room, one typical request each,
-and ``with_room`` the pool's free capacity, one typical request each. A miss spends its prefill
-time ``uncached / rate`` of that free capacity, and each request waiting for it starts about
-``uncached / rate / with_room`` later: the fleet's cost of the miss, beyond the request's own
-TTFT. Zero while every endpoint has room and nothing is held (routing as without flow control,
-which never writes it); no threshold: it rises with the model's own count of endpoints without
-room. A queued request's choice (``choose``, binding) is made at the price; if the endpoint it
-picks has no room, the choice is made again without it: the price reorders the endpoints with
-room for a queued request, and never holds one for a busy holder the unpriced choice would not
-wait for (holding it there, the quiet tenant of the tenants study had 4.7% more TTFT p90 at
-seed 0; with the second choice 2.1%).
-
 Writers: :class:`FlowQueue` is written by its owner alone (the event loop in the picker, the
-event loop of cluster mode); :class:`FlowController` is that owner. A :class:`MissPrice` is
-written by the one :class:`FlowController` given it at construction, read by its router.
+event loop of cluster mode); :class:`FlowController` is that owner.
 """
 
 from __future__ import annotations
@@ -549,33 +526,6 @@ def next_room_at(endpoints: Iterable[EndpointState]) -> float | None:
     return min(due) if due else None
 
 
-@dataclass(slots=True)
-class MissPrice:
-    """The extra charge on a miss while the pool is saturated (module docstring, "The price of
-    a miss while saturated"), in units of the miss's own prefill time. Writer: the
-    :class:`FlowController` constructed with it; reader: the :class:`~picker.core.router.Router`
-    that owns it, into each cycle (``Cycle.miss_price``). 0 without flow control."""
-
-    price: float = 0.0
-
-
-def miss_price(endpoints: Sequence[EndpointState], queued: int) -> float:
-    """V2: ``(queued + sum over endpoints without room of queue_s / typical_s) / max(1,
-    with_room)``, dimensionless: an endpoint without room counted by its queue in typical
-    requests (measurement variant, bench/results/2026-11-28-flow-control.md). V3: 0 while
-    nothing is held (the fast path unpriced)."""
-    if not queued:
-        return 0.0
-    with_room = 0
-    depth = 0.0
-    for e in endpoints:
-        if has_room(e):
-            with_room += 1
-        else:
-            depth += queue_s(e) / typical_s(e)
-    return (queued + depth) / (with_room if with_room > 1 else 1)
-
-
 def _cached_on(
     local: Callable[[Item[P], EndpointState], int], room: list[EndpointState], item: Item[P]
 ) -> int:
@@ -583,17 +533,9 @@ def _cached_on(
     return max(local(item, e) for e in room)
 
 
-def _wants(
-    choose: Callable[[Item[P]], str | None],
-    keys: frozenset[str],
-    price: MissPrice | None,
-    item: Item[P],
-) -> bool:
-    """``item``'s best endpoint by the normal policy has room (or it cannot be routed). Chosen
-    at the miss price; when that endpoint has no room, chosen again without it (the price only
-    reorders the endpoints with room: a queued request never waits for a busy holder that the
-    choice without the price would not wait for)."""
-    key = choose(item)  # V2: no second, unpriced choice (as V1)
+def _wants(choose: Callable[[Item[P]], str | None], keys: frozenset[str], item: Item[P]) -> bool:
+    """``item``'s best endpoint by the normal policy has room (or it cannot be routed)."""
+    key = choose(item)
     item.room = None if key is None else frozenset((key,))
     return key is None or key in keys
 
@@ -626,12 +568,9 @@ class FlowController(Generic[P]):
         reject: Callable[[Item[P]], None],
         local: Callable[[Item[P], EndpointState], int] | None = None,
         choose: Callable[[Item[P]], str | None] | None = None,
-        price: MissPrice | None = None,
     ) -> None:
         self.cfg = cfg
         self.choose = choose
-        self.price = price
-        """Written before each dispatch (:func:`miss_price`); None: not kept."""
         """The normal policy's endpoint for a request, over every routable endpoint, committing
         nothing (None: it cannot be routed; dispatch answers it). None: bind to any with room."""
         self.queue: FlowQueue[P] = FlowQueue(cfg)
@@ -703,12 +642,10 @@ class FlowController(Generic[P]):
                     return Admission(item, Outcome.SHED_SLO, self.retry_after(item.band))
                 q.count(item, PREDICTED_MISS)
         if not len(q):
-            endpoints = self.endpoints()
-            at_once = self._at_once(item.band, endpoints)
+            at_once = self._at_once(item.band, self.endpoints())
             if at_once is not False:
                 q.finish(item, Outcome.DISPATCHED, now)
                 item.room = None if at_once is True else at_once
-                self._price(endpoints)
                 self.dispatch(item)
                 return Admission(item, None)
         if not q.push(item, now):
@@ -716,7 +653,6 @@ class FlowController(Generic[P]):
                 q.finish(item, Outcome.REJECTED_FULL, now)
                 return Admission(item, Outcome.REJECTED_FULL, self.retry_after(item.band))
             q.finish(item, Outcome.DISPATCHED_FULL, now)  # never 429 for a request that may not be shed
-            self._price(self.endpoints())
             self.dispatch(item)
             return Admission(item, None)
         self.pump(now)
@@ -741,13 +677,7 @@ class FlowController(Generic[P]):
         if room is not False:
             key = (band, Outcome.DISPATCHED.label)
             q.counts[key] = q.counts.get(key, 0) + 1
-            self._price(endpoints)
         return room
-
-    def _price(self, endpoints: Sequence[EndpointState]) -> None:
-        """Set :attr:`price` for the dispatch about to be routed (module docstring)."""
-        if self.price is not None:
-            self.price.price = miss_price(endpoints, len(self.queue))
 
     def room(self, band: int, endpoints: Sequence[EndpointState]) -> list[EndpointState]:
         """The endpoints ``band`` may be bound to now: those with room (``has_room``) for the
@@ -794,7 +724,6 @@ class FlowController(Generic[P]):
             else:
                 q.finish(item, Outcome.DISPATCHED_TTL, now)
                 item.room = None  # sent on without room: anywhere
-                self._price(endpoints)
                 self.dispatch(item)
         sent = 0
         while len(q):
@@ -804,12 +733,11 @@ class FlowController(Generic[P]):
                 break
             local, choose = self.local, self.choose
             keys = frozenset(e.key for e in room)
-            self._price(endpoints)  # before ``choose``: the choice and the dispatch see one price
             nxt = q.pop(
                 now,
                 functools.partial(_cached_on, local, room) if local is not None else None,
                 False,
-                functools.partial(_wants, choose, keys, self.price) if choose is not None else None,
+                functools.partial(_wants, choose, keys) if choose is not None else None,
             )
             if nxt is None:
                 break
@@ -842,7 +770,6 @@ class FlowController(Generic[P]):
             if endpoints:
                 q.finish(item, Outcome.DRAINED, now)
                 item.room = None
-                self._price(endpoints)
                 self.dispatch(item)
             else:
                 q.finish(item, Outcome.NO_ENDPOINTS, now)

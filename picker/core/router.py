@@ -32,7 +32,6 @@ from picker.core.config import RouterConfig, build_profile
 from picker.core.endpoints.pool import Pool
 from picker.core.endpoints.types import EndpointState
 from picker.core.errors import NoEndpoints
-from picker.core.flowcontrol import MissPrice
 from picker.core.objectives import Objectives
 from picker.core.prefix.hashing import seed_for
 from picker.core.prefix.index import PrefixIndex
@@ -103,9 +102,6 @@ class Router:
         if cfg.pd.enabled:
             self.pd = PDHandler(make_decider(cfg.pd.decider, cfg.pd.decider_params), cfg.pd.link)
         self.accounting = Accounting(clock)
-        self.miss_price = MissPrice()
-        """The price of a miss while the pool is saturated, into every cycle (``Cycle.miss_price``).
-        Writer: the flow controller constructed with it (:mod:`picker.core.flowcontrol`); 0 without."""
         self.parse_options = ParseOptions(
             lora_adapters=cfg.lora_adapters,
             trust_rewrite=cfg.trust_gateway_headers,
@@ -197,16 +193,7 @@ class Router:
             prompt_tokens = max(1, int((len(text) + beyond) / self.cfg.index.chars_per_token))
         prompt_tokens += req.media_tokens
         matches = self.index.match_many([e.key for e in candidates], hashes)
-        cyc = Cycle(
-            req,
-            prompt_tokens,
-            block_tokens,
-            len(hashes),
-            matches,
-            self.clock(),
-            priority,
-            self.miss_price.price,
-        )
+        cyc = Cycle(req, prompt_tokens, block_tokens, len(hashes), matches, self.clock(), priority)
         return cyc, hashes, None
 
     def _precise_cycle(
@@ -230,7 +217,7 @@ class Router:
             for k, m in self.index.match_many(rest, hashes).items():
                 matches[k] = int(m * block_tokens / bs)
         prompt = max(len(tokens), req.prompt_token_estimate)  # ids cut short: the rest estimated
-        cyc = Cycle(req, prompt, float(bs), len(keys), matches, now, priority, self.miss_price.price)
+        cyc = Cycle(req, prompt, float(bs), len(keys), matches, now, priority)
         return cyc, hashes, keys
 
     @staticmethod

@@ -93,13 +93,7 @@ class FlowGate:
         self.director, self.cfg, self.tick_s, self.clock = director, cfg, tick_s, clock
         self.router = director.router
         self.fc: FlowController[Held] = FlowController(
-            cfg,
-            self._endpoints,
-            self._dispatch,
-            self._reject,
-            self._local,
-            self._choose,
-            self.router.miss_price,
+            cfg, self._endpoints, self._dispatch, self._reject, self._local, self._choose
         )
         self.hold_timeout_s = max(cfg.ttl_s, cfg.empty_pool_ttl_s) + TIMEOUT_MARGIN_S
         """The message-timeout override a held stream sends Envoy, seconds."""

@@ -17,11 +17,9 @@ from picker.core.flowcontrol import (
     FlowController,
     FlowQueue,
     Item,
-    MissPrice,
     Outcome,
     batch_capacity,
     has_room,
-    miss_price,
     queue_s,
     running,
     starts_now,
@@ -484,82 +482,3 @@ def test_a_pool_no_larger_than_the_reservation_keeps_room_not_idle_endpoints() -
     busy(three.states[0], False)
     three.states[0].load.pending_prefill_tokens = int(three.states[0].model.uncached_per_request)
     assert fc3.room(0, three.states) == three.states[1:] and fc3.room(-1, three.states) == three.states[1:]
-
-
-def test_the_miss_price_is_zero_with_room_everywhere_and_rises_with_saturation() -> None:
-    """Flow control's price on a miss (``MissPrice``, its one writer): 0 while every endpoint
-    has room and nothing is held; else (held requests + endpoints without room) / endpoints
-    with room, set before each dispatch is routed: the fast path, ``pass_through`` and the pump
-    (before ``choose``: the choice and the dispatch see one price)."""
-    pool = Pool(4)
-    price = MissPrice()
-    seen: list[tuple[str, float]] = []
-    chosen: list[float] = []
-
-    def choose(i: Item[str]) -> str:
-        chosen.append(price.price)
-        return pool.states[3].key
-
-    fc: FlowController[str] = FlowController(
-        FlowControlConfig(),
-        pool.routable,
-        lambda i: seen.append((i.payload, price.price)),
-        lambda i: None,
-        choose=choose,
-        price=price,
-    )
-    fc.offer(fc.item("idle", 0, "", 100, 10, 0.0), 0.0)
-    for e in pool.states[:3]:
-        busy(e, True)
-    fc.offer(fc.item("one-free", 0, "", 100, 10, 1.0), 1.0)  # 3 without room, 1 with
-    assert seen == [("idle", 0.0), ("one-free", 3.0)]
-    price.price = -1.0
-    assert fc.pass_through(0, pool.routable()) is True and price.price == 3.0
-    for e in pool.states[:2]:
-        busy(e, False)
-    assert miss_price(pool.routable(), 0) == pytest.approx(1 / 3)
-    pool.saturate(True)
-    fc.offer(fc.item("a", 0, "", 100, 10, 2.0), 2.0)
-    fc.offer(fc.item("b", 0, "", 100, 10, 2.0), 2.0)
-    assert len(fc.queue) == 2
-    busy(pool.states[3], False)  # room on one: two held, three without room
-    fc.pump(3.0)
-    assert seen[2:] == [("a", 5.0), ("b", 4.0)] and chosen == [5.0, 4.0]
-    pool.saturate(False)
-    assert miss_price(pool.routable(), 0) == 0.0
-
-
-def test_a_queued_request_is_chosen_at_the_price_but_never_held_for_it() -> None:
-    """The pump asks the policy's choice at the miss price; a priced choice without room is
-    asked again at price 0 (the choice without flow control's price), so the price reorders the
-    endpoints with room and never holds a queued request for a busy holder."""
-    pool = Pool(3)
-    a, b, c = pool.states
-    price = MissPrice()
-    asked: list[float] = []
-    priced_choice = {"x": a.key, "y": b.key}  # x: the busy holder a; y: b, which has room
-
-    def choose(i: Item[str]) -> str:
-        asked.append(price.price)
-        return priced_choice[i.payload] if price.price else c.key
-
-    sent: list[tuple[str, frozenset[str] | None]] = []
-    fc: FlowController[str] = FlowController(
-        FlowControlConfig(),
-        pool.routable,
-        lambda i: sent.append((i.payload, i.room)),
-        lambda i: None,
-        choose=choose,
-        price=price,
-    )
-    pool.saturate(True)
-    fc.offer(fc.item("x", 0, "", 100, 10, 0.0), 0.0)
-    busy(c, False)  # room on c only: x's priced choice (a) has none, its unpriced one (c) has
-    fc.pump(1.0)
-    assert asked == [3.0, 0.0] and sent == [("x", frozenset({c.key}))] and price.price == 3.0
-    busy(c, True)
-    fc.offer(fc.item("y", 0, "", 100, 10, 2.0), 2.0)
-    busy(b, False)  # y's priced choice, b, has room: it goes there, asked once
-    asked.clear()
-    fc.pump(3.0)
-    assert asked == [3.0] and sent[-1] == ("y", frozenset({b.key}))

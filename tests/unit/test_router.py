@@ -396,12 +396,3 @@ def test_media_tokens_are_added_to_the_prompt_estimate() -> None:
     router, _, _ = make(1)
     plain = router.route(req("a" * 400)).cycle.prompt_tokens
     assert router.route(req("a" * 400, media_tokens=1024)).cycle.prompt_tokens == plain + 1024
-
-
-def test_every_cycle_carries_the_routers_miss_price() -> None:
-    """The router copies its ``MissPrice`` (written by flow control alone) into each cycle;
-    without flow control it stays 0."""
-    router, _, _ = make(2)
-    assert router.route(req("a prompt " * 40), commit=False).cycle.miss_price == 0.0
-    router.miss_price.price = 2.5
-    assert router.route(req("a prompt " * 40), commit=False).cycle.miss_price == 2.5

@@ -274,30 +274,6 @@ def test_a_hot_prefix_spills_by_a_margin_in_seconds() -> None:
     assert ties[1] < ties[0] / 2, "the slower holder spills after far less queued work"
 
 
-def test_flow_controls_miss_price_keeps_a_prefix_its_holder_would_spill() -> None:
-    """``Cycle.miss_price`` (flow control's, while the pool is saturated) adds to
-    ``miss_penalty``: with the holder 2 * 4096 tokens behind, the default price spills the
-    request to the cold endpoint; at a price of 3 the miss costs (1 + 1 + 3) * 8192 / rate on
-    the cold endpoint, more than the holder's queue plus its own (1 + 1 + 3) * 4096: it stays.
-    ``score_top`` (the pruned pick) agrees."""
-    a, b = ep(1), ep(2)
-    a.load.pending_prefill_tokens = 4 * 4096
-    cyc = cycle(HOT, n_blocks=512, prompt_tokens=8192)
-    scorer = CostScorer()
-    assert cyc.miss_price == 0.0
-    spilled = scorer.score(cyc, [a, b])
-    assert spilled[B] == 1.0 > spilled[A]
-    priced = dataclasses.replace(cyc, miss_price=3.0)
-    kept = scorer.score(priced, [a, b])
-    assert kept[A] == 1.0 > kept[B]
-    rate = a.model.prefill_rate
-    est = scorer._costs(priced, [a, b], scorer.miss_penalty + priced.miss_price)
-    assert est[A] - est[B] == pytest.approx((4 * 4096 + 5 * 4096 - 5 * 8192) / rate)
-    fleet = [ep(10 + i) for i in range(40)] + [a, b]
-    top = scorer.score_top(priced, fleet, 0.2)
-    assert top[A] == 1.0 and top == {k: v for k, v in scorer.score(priced, fleet).items() if k in top}
-
-
 def test_a_tie_goes_to_the_endpoint_holding_more_of_the_prompt() -> None:
     """A miss cheaper than one engine step ties the costs; the holder still wins every pick
     (a second copy at random wastes cache), and with nothing cached the tie stays random."""

@@ -28,7 +28,7 @@ endpoint's calibrated load model (:mod:`picker.core.calibration`, ``EndpointStat
   one step. Before any measurement both come from ``calibration``'s defaults (an H100 and an 8B
   model); the explain API says which.
 
-The score ranks ``cost(e) = ttft(e) + (miss_penalty + miss_price) * uncached(e) / rate(e)`` as
+The score ranks ``cost(e) = ttft(e) + miss_penalty * uncached(e) / rate(e)`` as
 ``min_cost / cost(e)``: 1 for the cheapest endpoint, smaller for the rest, so the max-score
 picker picks the minimum. Costs within one engine step (``step_base``) of the cheapest also
 score 1, a tie the picker breaks at random: the model cannot resolve less (a stale running
@@ -43,22 +43,13 @@ coin toss. The penalty charges a miss for what the request's own TTFT leaves
 out: its uncached prefill is work that every later request queued on ``e`` waits behind, and it
 writes a second copy of a prefix another endpoint may already hold.
 
-**While the pool is saturated** the miss costs the fleet more: ``miss_price`` (dimensionless, in
-the same units: the miss's own prefill time) is the cycle's (``Cycle.miss_price``), set by flow
-control from the calibrated saturation rule before each dispatch: the requests waiting for room
-(held at the gateway, plus one per endpoint without room) over the endpoints with room
-(:mod:`picker.core.flowcontrol`, "The price of a miss while saturated"). It is 0 while every
-endpoint has room and nothing is held, and always 0 without flow control: the scorer reads it,
-never writes it.
-
 **When a hot prefix spills.** For the endpoint holding the prefix (``uncached`` ≈ 0) against a
 cold one, the holder keeps the request until::
 
-    ttft(holder) > ttft(cold) + (miss_penalty + miss_price) * uncached(cold) / rate(cold)
+    ttft(holder) > ttft(cold) + miss_penalty * uncached(cold) / rate(cold)
 
 that is, until the holder's estimated TTFT exceeds the cold endpoint's, miss included, by a
-margin in seconds: ``miss_penalty + miss_price`` times the miss's own prefill time on the cold
-endpoint.
+margin in seconds: ``miss_penalty`` times the miss's own prefill time on the cold endpoint.
 The margin adapts to the prompt and to the measured speed; it is never a request count.
 """
 
@@ -144,7 +135,7 @@ class CostScorer:
         return out
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
-        est = self._costs(cycle, endpoints, self.miss_penalty + cycle.miss_price)
+        est = self._costs(cycle, endpoints, self.miss_penalty)
         key = min(est, key=est.__getitem__)
         return self._scores(cycle, est, key, next(e for e in endpoints if e.key == key).model.step_base_s)
 
@@ -154,7 +145,7 @@ class CostScorer:
         weigh ``slack`` times this one's weight or less picks the same (``Profile.run``).
 
         Only the endpoints that can reach that score are costed: a lower bound on ``cost(e)``
-        that needs no load, ``lb(d) = (1 + miss_penalty + miss_price) * uncached(d) / max rate + min
+        that needs no load, ``lb(d) = (1 + miss_penalty) * uncached(d) / max rate + min
         step_base`` for an endpoint holding ``d`` blocks (``queued``, ``running`` and
         ``step_per_seq`` are never negative), orders them. The deepest holders are costed
         first; then every endpoint whose bound is at most ``limit = max(best + max step_base,
@@ -171,11 +162,7 @@ class CostScorer:
         rates = list(map(_RATE, models))
         if min(rates) <= 0 or min(map(_PER_SEQ, models)) < 0:
             return self.score(cycle, endpoints)
-        penalty, prompt, block_tokens = (
-            self.miss_penalty + cycle.miss_price,
-            cycle.prompt_tokens,
-            cycle.block_tokens,
-        )
+        penalty, prompt, block_tokens = self.miss_penalty, cycle.prompt_tokens, cycle.block_tokens
         bases = list(map(_BASE, models))
         slope, floor, widest = (1.0 + penalty) / max(rates), min(bases), max(bases)
         mget = cycle.matches.get

@@ -34,10 +34,6 @@ class Cycle:
     now: float
     priority: int = 0
     """The request's objective priority (config ``objectives``); negative means sheddable."""
-    miss_price: float = 0.0
-    """Extra charge on a miss while the pool is saturated, in units of the miss's own prefill
-    time (the ``cost`` scorer adds it to its ``miss_penalty``): the router's
-    :class:`~picker.core.flowcontrol.MissPrice`, written by flow control; 0 without it."""
 
     def cached_tokens(self, key: str) -> int:
         return min(self.prompt_tokens, int(self.matches.get(key, 0) * self.block_tokens))
