@@ -21,7 +21,11 @@ request's prefill is released by whichever comes first:
 - the scraped queue (:meth:`reconcile`): vLLM admits in arrival order (FCFS), so once a scrape
   shows ``W`` requests waiting, at most ``W + 1`` of those we sent before it (the ``+ 1``: one
   being prefilled in the current step, if any runs) can still be pending; the older ones are
-  released.
+  released. The ones still pending are then re-timed from the scrape (:meth:`reconcile`,
+  only ever earlier): in send order, ``busy`` from now plus each one's ``uncached / rate``,
+  ``due = min(due, busy + step(running))``, and ``busy_until`` lowered to ``busy``. With the
+  uncalibrated prior rate the predicted ends run seconds late; the scrape has just shown how
+  far the endpoint got, so the work behind it is timed from there.
   Requests of ours that the engine counts neither running nor waiting, and has not counted as
   finished either (``vllm:request_success_total``), have not reached it (an API server starved
   of CPU held 30 for 10 s on the shared machine while its engine sat idle): they are counted as
@@ -53,13 +57,15 @@ Writers, one per field:
 - ``Load.in_flight_requests``, ``in_flight_tokens``, ``pending_prefill_tokens``,
   ``pending_requests``, ``prefill_busy_until``, ``prefill_due``, ``unseen_requests``, ``finished_streams``, ``sent_total``, ``seen_baseline``: charged by :meth:`Accounting.start`
   (and :meth:`move`), pending prefill released by :meth:`expire`, :meth:`reconcile` and
-  :meth:`first_token`, everything by :meth:`finish`; nothing else writes them.
+  :meth:`first_token`, ``prefill_busy_until`` also lowered by :meth:`reconcile`, everything
+  by :meth:`finish`; nothing else writes them.
 - Not here: the cost scorer ranks on the calibrated model (``state.model``, written by
   :class:`picker.core.calibration.Calibrator` from scrapes) and the scraped metrics
   (``state.metrics``, written by the scraper or cluster mode's scrape); no response timing
   feeds either.
-- :class:`Ticket` fields: this module (``started``, ``due``, ``pending``, ``done``, the endpoint
-  and its token counts on a move).
+- :class:`Ticket` fields: this module (``started``, ``due`` (set by :meth:`Accounting.start`
+  and :meth:`move`, lowered by :meth:`reconcile`), ``pending``, ``done``, the endpoint and its
+  token counts on a move).
 
 Invariant: every ``start`` is matched by exactly one effective ``finish`` (later calls are
 no-ops), so the in-flight counters return to zero when traffic stops; they are never negative.
@@ -203,7 +209,8 @@ class Accounting:
         """After a scrape: of the requests sent at least :data:`RECONCILE_GRACE_S` before it, at
         most ``waiting + 1`` (+ 0 with nothing running) can still be in prefill (FCFS
         admission), with those the engine has not seen at all; release the older ones.
-        Those the engine counts neither running nor waiting are ``Load.unseen_requests``."""
+        Those the engine counts neither running nor waiting are ``Load.unseen_requests``. Then
+        re-time those still pending from now (:meth:`_retime`)."""
         load, m = state.load, state.metrics
         due = load.prefill_due
         cutoff = m.updated_at - RECONCILE_GRACE_S
@@ -227,6 +234,26 @@ class Accounting:
                 self._release(ticket)
         while due and not (due[0].pending and due[0].state is state):
             due.popleft()
+        self._retime(state)
+
+    def _retime(self, state: EndpointState) -> None:
+        """Re-time the prefills still pending on ``state`` from now (called by :meth:`reconcile`,
+        after its releases): the scrape has shown the older ones done, so the endpoint is
+        working through these now. Walking them in send order, ``busy`` starts at now and
+        advances by each one's ``uncached / rate`` (seconds, ``state.model.prefill_rate`` in
+        tokens/s); its :attr:`Ticket.due` becomes ``min(due, busy + step(running))`` and
+        ``Load.prefill_busy_until`` becomes ``min(busy_until, busy)``. Only ever earlier: a
+        prediction made with a slow (uncalibrated) rate runs away by seconds, and without this
+        the scrape rule alone released the work queued behind it. Dues stay in send order (the
+        element-wise minimum of two non-decreasing sequences), as :meth:`expire` needs."""
+        load, model = state.load, state.model
+        busy = self.clock()
+        step = model.step_s(load.in_flight_requests)
+        for ticket in load.prefill_due:
+            if ticket.pending and not ticket.done and ticket.state is state:
+                busy += ticket.uncached_tokens / model.prefill_rate
+                ticket.due = min(ticket.due, busy + step)
+        load.prefill_busy_until = min(load.prefill_busy_until, busy)
 
     def first_token(self, ticket: Ticket) -> None:
         """A response byte: the request's prefill is no longer pending (a no-op after the first,

@@ -1,0 +1,70 @@
+"""Accounting's prefill timing: a scrape re-times the prefills still pending (``reconcile``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from picker.core.accounting import Accounting, Ticket
+from picker.core.endpoints.types import Endpoint, EndpointMetrics, EndpointState
+
+
+def sent(n: int, rate: float) -> tuple[Accounting, EndpointState, list[Ticket], list[float]]:
+    """``n`` requests of 1,000 uncached tokens each sent at t = 0 to an endpoint whose model
+    prices prefill at ``rate`` tokens/s; returns the clock as a one-element list to set."""
+    now = [0.0]
+    acc = Accounting(clock=lambda: now[0])
+    e = EndpointState(Endpoint("10.0.0.1", 8000))
+    e.model.prefill_rate = rate
+    tickets = [acc.start(e, 1000, 1000) for _ in range(n)]
+    return acc, e, tickets, now
+
+
+def test_a_scrape_re_times_the_pending_prefills_from_now() -> None:
+    """A slow prior (1,000 tok/s) predicts the five prefills done at 1, 2, ... 5 s. A scrape at
+    0.2 s shows two finished, one running, two waiting: the two oldest are released, and the
+    three left are re-timed from the scrape, in send order, at 1 s each: 1.2, 2.2, 3.2 s (+ a
+    step), not 3, 4, 5 s; the next one is released at 1.2 s, not 3 s."""
+    acc, e, t, now = sent(5, 1000.0)
+    assert [x.due for x in t] == pytest.approx([i + 1 + e.model.step_s(i) for i in range(5)])
+    step = e.model.step_s(e.load.in_flight_requests)  # the step a re-timed prefill ends with
+    now[0] = 0.2
+    e.metrics = EndpointMetrics(waiting=2, running=1, request_success_total=2, updated_at=0.2)
+    acc.reconcile(e)
+    assert [x.pending for x in t] == [False, False, True, True, True]
+    assert [x.due for x in t[2:]] == pytest.approx([1.2 + step, 2.2 + step, 3.2 + step])
+    assert e.load.prefill_busy_until == pytest.approx(3.2)
+    now[0] = 1.2 + step + 1e-6
+    acc.expire([e])
+    assert [x.pending for x in t] == [False, False, False, True, True]
+    assert e.load.pending_requests == 2 and e.load.pending_prefill_tokens == 2000
+    # A request sent now queues behind the re-timed work, not behind the old prediction.
+    late = acc.start(e, 1000, 1000)
+    assert late.due == pytest.approx(4.2 + e.model.step_s(e.load.in_flight_requests - 1))
+
+
+def test_re_timing_never_delays_a_prediction() -> None:
+    """Re-timed from a scrape at 0.06 s, the prefills would end later (0.16, 0.26, 0.36 s) than
+    predicted at send (0.1, 0.2, 0.3 s): the predictions and ``prefill_busy_until`` stand."""
+    acc, e, t, now = sent(3, 10_000.0)
+    before = [x.due for x in t]
+    now[0] = 0.06
+    e.metrics = EndpointMetrics(waiting=2, running=1, updated_at=0.06)
+    acc.reconcile(e)
+    assert all(x.pending for x in t)
+    assert [x.due for x in t] == before
+    assert e.load.prefill_busy_until == pytest.approx(0.3)
+
+
+def test_re_timing_skips_tickets_moved_away() -> None:
+    """A ticket moved to another endpoint is timed there; the first endpoint re-times only its own."""
+    acc, e, t, now = sent(3, 1000.0)
+    other = EndpointState(Endpoint("10.0.0.2", 8000))
+    other.model.prefill_rate = 1000.0
+    acc.move(t[0], other, 1000, 0)
+    moved_due = t[0].due
+    now[0] = 0.2
+    e.metrics = EndpointMetrics(waiting=1, running=1, updated_at=0.2)
+    acc.reconcile(e)
+    step = e.model.step_s(e.load.in_flight_requests)
+    assert [x.due for x in t[1:]] == pytest.approx([1.2 + step, 2.2 + step])
+    assert t[0].due == moved_due and t[0].state is other
