@@ -21,11 +21,14 @@ request's prefill is released by whichever comes first:
 - the scraped queue (:meth:`reconcile`): vLLM admits in arrival order (FCFS), so once a scrape
   shows ``W`` requests waiting, at most ``W + 1`` of those we sent before it (the ``+ 1``: one
   being prefilled in the current step, if any runs) can still be pending; the older ones are
-  released. The ones still pending are then re-timed from the scrape (:meth:`reconcile`,
-  only ever earlier): in send order, ``busy`` from now plus each one's ``uncached / rate``,
+  released. While the endpoint's prefill rate is still the uncalibrated prior
+  (``state.model.prefill_source == "default"``: the pool has measured no prefill yet), the
+  ones still pending are then re-timed from the scrape (:meth:`reconcile`, only ever
+  earlier): in send order, ``busy`` from now plus each one's ``uncached / rate``,
   ``due = min(due, busy + step(running))``, and ``busy_until`` lowered to ``busy``. With the
-  uncalibrated prior rate the predicted ends run seconds late; the scrape has just shown how
-  far the endpoint got, so the work behind it is timed from there.
+  prior rate the predicted ends can run seconds late; the scrape has just shown how far the
+  endpoint got, so the work behind it is timed from there. Once the rate is measured the
+  predictions stand (re-timing them then cost hit rate in approximate mode).
   Requests of ours that the engine counts neither running nor waiting, and has not counted as
   finished either (``vllm:request_success_total``), have not reached it (an API server starved
   of CPU held 30 for 10 s on the shared machine while its engine sat idle): they are counted as
@@ -209,8 +212,9 @@ class Accounting:
         """After a scrape: of the requests sent at least :data:`RECONCILE_GRACE_S` before it, at
         most ``waiting + 1`` (+ 0 with nothing running) can still be in prefill (FCFS
         admission), with those the engine has not seen at all; release the older ones.
-        Those the engine counts neither running nor waiting are ``Load.unseen_requests``. Then
-        re-time those still pending from now (:meth:`_retime`)."""
+        Those the engine counts neither running nor waiting are ``Load.unseen_requests``. Then,
+        while ``state.model`` is still the uncalibrated prior, re-time those still pending from
+        now (:meth:`_retime`)."""
         load, m = state.load, state.metrics
         due = load.prefill_due
         cutoff = m.updated_at - RECONCILE_GRACE_S
@@ -234,7 +238,8 @@ class Accounting:
                 self._release(ticket)
         while due and not (due[0].pending and due[0].state is state):
             due.popleft()
-        self._retime(state)
+        if state.model.prefill_source == "default":
+            self._retime(state)
 
     def _retime(self, state: EndpointState) -> None:
         """Re-time the prefills still pending on ``state`` from now (called by :meth:`reconcile`,

@@ -68,3 +68,18 @@ def test_re_timing_skips_tickets_moved_away() -> None:
     step = e.model.step_s(e.load.in_flight_requests)
     assert [x.due for x in t[1:]] == pytest.approx([1.2 + step, 2.2 + step])
     assert t[0].due == moved_due and t[0].state is other
+
+
+def test_a_calibrated_rate_is_not_re_timed() -> None:
+    """Once the pool has measured a prefill rate (``prefill_source`` no longer "default"), the
+    predictions made with it stand: the same scrape as in the first test releases the two oldest
+    and leaves the three left at 3, 4, 5 s (+ their steps)."""
+    acc, e, t, now = sent(5, 1000.0)
+    e.model.prefill_source = "pooled across endpoints (0 own scrapes)"
+    before = [x.due for x in t]
+    now[0] = 0.2
+    e.metrics = EndpointMetrics(waiting=2, running=1, request_success_total=2, updated_at=0.2)
+    acc.reconcile(e)
+    assert [x.pending for x in t] == [False, False, True, True, True]
+    assert [x.due for x in t] == before
+    assert e.load.prefill_busy_until == pytest.approx(5.0)
