@@ -239,11 +239,12 @@ def test_a_miss_costs_more_the_busier_the_fleet() -> None:
         rest = [ep(p, pending_prefill_tokens=others) for p in (3, 4)]
         scores = CostScorer().score(cyc, [a, b, *rest])
         assert max(scores, key=scores.__getitem__) == winner, (others, scores)
-    idle = [ep(p) for p in range(1, 5)]
-    est = CostScorer().estimates(cyc, idle)
-    assert CostScorer()._costs(cyc, idle, True)[B] - est[B] == pytest.approx(8192 / 10_000), (
-        "an idle fleet charges a miss its capacity alone (miss_penalty 1)"
+    _ttft, miss, busy = CostScorer._costs(cyc, [ep(p) for p in range(1, 5)])
+    assert busy == 0 and CostScorer().price(busy, 4) == 1.0, (
+        "an idle fleet: the capacity alone (miss_penalty 1)"
     )
+    assert miss[B] == pytest.approx(8192 / 10_000)
+    assert CostScorer().price(3, 4) == 4.0 and CostScorer().price(4, 4) == 5.0  # 1 + 3/1; all busy: 1 + 4
 
 
 def test_miss_penalty_changes_the_score_not_the_estimate() -> None:

@@ -161,7 +161,9 @@ class CostScorer:
         return self.miss_penalty + busy / (n - busy if busy < n else 1)
 
     @staticmethod
-    def _costs(cycle: Cycle, endpoints: Sequence[EndpointState]) -> tuple[dict[str, float], dict[str, float], int]:
+    def _costs(
+        cycle: Cycle, endpoints: Sequence[EndpointState]
+    ) -> tuple[dict[str, float], dict[str, float], int]:
         """``(ttft(e), uncached(e) / rate(e), busy)``: the TTFTs, the misses' own prefill times
         in seconds, and how many of ``endpoints`` have prefill queued; one loop with locals (it
         runs per request)."""
