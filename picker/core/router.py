@@ -193,7 +193,7 @@ class Router:
             prompt_tokens = max(1, int((len(text) + beyond) / self.cfg.index.chars_per_token))
         prompt_tokens += req.media_tokens
         matches = self.index.match_many([e.key for e in candidates], hashes)
-        cyc = Cycle(req, prompt_tokens, block_tokens, len(hashes), matches, self.clock(), priority, hashes)
+        cyc = Cycle(req, prompt_tokens, block_tokens, len(hashes), matches, self.clock(), priority)
         return cyc, hashes, None
 
     def _precise_cycle(
@@ -217,7 +217,7 @@ class Router:
             for k, m in self.index.match_many(rest, hashes).items():
                 matches[k] = int(m * block_tokens / bs)
         prompt = max(len(tokens), req.prompt_token_estimate)  # ids cut short: the rest estimated
-        cyc = Cycle(req, prompt, float(bs), len(keys), matches, now, priority, keys)
+        cyc = Cycle(req, prompt, float(bs), len(keys), matches, now, priority)
         return cyc, hashes, keys
 
     @staticmethod

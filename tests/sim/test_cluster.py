@@ -103,9 +103,8 @@ def test_cluster_reports_the_single_lru_ceiling_of_all_replicas_kv(tmp_path: pat
 
 
 def test_cluster_runs_are_reproducible_with_a_seed(tmp_path: pathlib.Path) -> None:
-    """Cold prompts on idle replicas score equal: the tie goes by each prompt's rendezvous order
-    (``cost``), the same whatever the picker's seed, and spreads different prefixes over the
-    replicas; the whole run is reproducible."""
+    """Cold prompts on idle replicas score equal: the picker breaks the tie at random, from a
+    seeded generator, so the same seed sends every request to the same replica."""
     raw = [
         {"timestamp": 30 * k, "input_length": 600 + 7 * k, "output_length": 3, "hash_ids": [k % 5, 100 + k]}
         for k in range(40)
@@ -118,8 +117,7 @@ def test_cluster_runs_are_reproducible_with_a_seed(tmp_path: pathlib.Path) -> No
         return [r.core.sched.queries for r in c.replicas.values()]
 
     assert placement(7) == placement(7)
-    assert len({tuple(placement(s)) for s in range(6)}) == 1, "ties go by the prefix, not the seed"
-    assert sum(q > 0 for q in placement(0)) >= 3, "different prefixes spread over the replicas"
+    assert len({tuple(placement(s)) for s in range(6)}) > 1, "the seed does pick among the ties"
     a, b = (simulate(rows, 8, "cost", profile("h100-llama-3.1-8b"), seed=7) for _ in range(2))
     assert {**a.__dict__, "wall_seconds": 0} == {**b.__dict__, "wall_seconds": 0}
     assert 0 < a.hit_rate <= a.lru_hit_rate <= a.ideal_hit_rate

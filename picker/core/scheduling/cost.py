@@ -1,6 +1,5 @@
 """The ``cost`` scorer: estimated time to first token (TTFT) on each endpoint, from each
-endpoint's calibrated load model (:mod:`picker.core.calibration`, ``EndpointState.model``), plus
-what a miss costs the fleet. All times in seconds, work in prompt tokens::
+endpoint's calibrated load model (:mod:`picker.core.calibration`, ``EndpointState.model``)::
 
     ttft(e) = (queued(e) + uncached(e)) / rate(e) + step(e, running(e))
     queued(e) = pending(e) + max(peer_pending(e), (waiting(e) - pending_requests(e)) * u(e))
@@ -19,9 +18,9 @@ what a miss costs the fleet. All times in seconds, work in prompt tokens::
   ``u(e)`` too.
 - ``running(e)``: the scraped running count, or the requests we (and the peers) have in flight
   there if more, less those the engine has already finished (streams Envoy has not closed:
-  counting them would break every tie between idle replicas the same way). Charging every waiting
-  request the average instead double-counts our own cheap cache hits queued on a prefix's holder
-  and spills hot prefixes needlessly.
+  counting them would break every tie between idle replicas the same way). Charging every waiting request the average instead
+  double-counts our own cheap cache hits queued on a prefix's holder and spills hot prefixes
+  needlessly.
 - ``rate(e)``: the endpoint's prefill rate in uncached tokens/s, measured from its own
   ``/metrics`` (pooled with the other endpoints' while it has few scrapes of its own).
 - ``step(e, running(e))``: the engine step the prefill joins, with the running decodes sharing it
@@ -29,86 +28,44 @@ what a miss costs the fleet. All times in seconds, work in prompt tokens::
   one step. Before any measurement both come from ``calibration``'s defaults (an H100 and an 8B
   model); the explain API says which.
 
-**What a miss costs the fleet.** The request's own TTFT counts its uncached prefill once. The
-score charges it again, at a price per second of that prefill::
-
-    cost(e)  = ttft(e) + price * uncached(e) / rate(e)                       [s]
-    price    = miss_penalty + rho / (1 - rho)                                [dimensionless]
-    rho      = busy / n      (rho / (1 - rho) computed as busy / (n - busy), or busy when all are)
-
-- ``rho / (1 - rho)``, the compute: ``busy`` of the ``n`` candidates have prefill work queued
-  (``queued(e) > 0``), so ``rho`` is the fleet's prefill utilisation as this request sees it.
-  A second of prefill added to a queue at utilisation ``rho`` delays the requests that arrive
-  behind it by ``rho / (1 - rho)`` seconds in all (the M/G/1 busy period it extends, times the
-  arrivals in it): 0 when the fleet is idle, unbounded near saturation. An idle replica's
-  compute is not free when the rest of the fleet is busy: the next requests need it. Measured
-  on the candidates, so it follows the fleet's load with no per-fleet setting.
-- ``miss_penalty``, the capacity: the miss writes ``uncached(e)`` tokens into ``e``'s cache,
-  evicting as many that later requests would otherwise have found there; charged at the miss's
-  own prefill time times ``miss_penalty`` (1.0; ``prefix.precise_miss_penalty``, 2.0, in a
-  precise cycle, where a miss surely duplicates a prefix another endpoint holds).
-
-The score ranks ``cost(e)`` as ``min_cost / cost(e)``: 1 for the cheapest endpoint, smaller for
-the rest, so the max-score picker picks the minimum. Costs within one engine step
-(``step_base``) of the cheapest also score 1: the model cannot resolve less (a stale running
-gauge, an open stream, a few percent of measured speed), and ranking on such a difference sends
-every cold request to the same replica (on two real vLLM-CPU replicas, 61 / 3 and 64 / 0 on
-workloads with nothing to share). The tie goes, in order:
-
-1. to the tied endpoints holding the most of the prompt (the others score ``1 - TIE_MARGIN``):
-   at equal cost the prefix stays where it is, as one copy, instead of a second copy written at
-   random (sglang-router's ``cache_aware`` does the same when its load is balanced);
-2. among those, to the prefix's **rendezvous** winner: the highest
-   ``rendezvous(prefix, endpoint)`` (:func:`rendezvous`), where ``prefix`` is the key of the
-   deepest block of the prompt that any candidate holds (the first block when none holds any).
-   So when a hot prefix spills, it spills to the same secondary every time, while that one is
-   within one step of the cheapest (the load bound), then to the next in the prefix's order: the
-   prefix grows onto a small, stable set of replicas instead of a new random one at each spill.
-   Different prefixes have independent orders, so spills spread over the fleet. Without block
-   keys the tie is broken at random by the picker.
+The score ranks ``cost(e) = ttft(e) + miss_penalty * uncached(e) / rate(e)`` as
+``min_cost / cost(e)``: 1 for the cheapest endpoint, smaller for the rest, so the max-score
+picker picks the minimum. Costs within one engine step (``step_base``) of the cheapest also
+score 1, a tie the picker breaks at random: the model cannot resolve less (a stale running
+gauge, an open stream, a few percent of measured speed), and ranking on such a difference
+sends every cold request to the same replica (on two real vLLM-CPU replicas, 61 / 3 and
+64 / 0 on workloads with nothing to share). Among tied endpoints, those holding the most of the
+prompt win (they score ``1 - TIE_MARGIN`` less for the others): at equal cost, the prefix stays
+where it is, as one copy, instead of a second copy written at random (sglang-router's
+``cache_aware`` does the same when its load is balanced). With nothing cached anywhere the tie
+stays random. Before this, a short prefix on a fast engine (a miss under one step) went to a
+coin toss. The penalty charges a miss for what the request's own TTFT leaves
+out: its uncached prefill is work that every later request queued on ``e`` waits behind, and it
+writes a second copy of a prefix another endpoint may already hold.
 
 **When a hot prefix spills.** For the endpoint holding the prefix (``uncached`` ≈ 0) against a
 cold one, the holder keeps the request until::
 
-    ttft(holder) > ttft(cold) + price * uncached(cold) / rate(cold)
+    ttft(holder) > ttft(cold) + miss_penalty * uncached(cold) / rate(cold)
 
-that is, until the holder's estimated TTFT exceeds the cold endpoint's, miss included, by the
-miss's own prefill time there times the price: a margin in seconds that adapts to the prompt,
-the measured speed and the fleet's load; it is never a request count.
+that is, until the holder's estimated TTFT exceeds the cold endpoint's, miss included, by a
+margin in seconds: ``miss_penalty`` times the miss's own prefill time on the cold endpoint.
+The margin adapts to the prompt and to the measured speed; it is never a request count.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from operator import attrgetter
 from typing import ClassVar
-
-import xxhash
 
 from picker.core.endpoints.types import EndpointState
 from picker.core.scheduling.types import Cycle
 
 TIE_MARGIN = 1e-6
-"""How far below 1 a tied endpoint that loses the tie scores: far below any difference the model
-resolves, so it orders ties only."""
-
-_M64 = (1 << 64) - 1
-
-
-@lru_cache(maxsize=4096)
-def _endpoint_seed(key: str) -> int:
-    return xxhash.xxh64_intdigest(key.encode())
-
-
-def rendezvous(prefix: int, key: str) -> int:
-    """The weight of endpoint ``key`` for ``prefix`` (highest wins): splitmix64 of the two mixed.
-    Stable across processes and picker replicas (no Python ``hash``)."""
-    z = ((_endpoint_seed(key) ^ (prefix & _M64)) + 0x9E3779B97F4A7C15) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return z ^ (z >> 31)
+"""How far below 1 a tied endpoint holding less of the prompt scores: far below any difference
+the model resolves, so it orders ties only."""
 
 
 PRUNE_MIN = 32
@@ -139,8 +96,7 @@ def queued_and_running(e: EndpointState) -> tuple[float, float]:
 @dataclass
 class CostScorer:
     miss_penalty: float = 1.0
-    """The capacity a miss's copy takes, per uncached token, in units of its own prefill time
-    (the module docstring); the fleet's load price comes on top."""
+    """Extra charge per uncached token, in units of its own prefill time (0: rank by TTFT alone)."""
 
     prune_min: ClassVar[int] = PRUNE_MIN
     """:class:`~picker.core.scheduling.types.TopScorer`'s: fewer candidates are all costed."""
@@ -154,23 +110,13 @@ class CostScorer:
 
     def estimates(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
         """``ttft(e)`` for every endpoint."""
-        return self._costs(cycle, endpoints)[0]
+        return self._costs(cycle, endpoints, 0.0)
 
-    def price(self, busy: int, n: int) -> float:
-        """``miss_penalty + rho / (1 - rho)``, ``rho = busy / n`` (the module docstring)."""
-        return self.miss_penalty + busy / (n - busy if busy < n else 1)
-
-    @staticmethod
-    def _costs(
-        cycle: Cycle, endpoints: Sequence[EndpointState]
-    ) -> tuple[dict[str, float], dict[str, float], int]:
-        """``(ttft(e), uncached(e) / rate(e), busy)``: the TTFTs, the misses' own prefill times
-        in seconds, and how many of ``endpoints`` have prefill queued; one loop with locals (it
-        runs per request)."""
+    def _costs(self, cycle: Cycle, endpoints: Sequence[EndpointState], penalty: float) -> dict[str, float]:
+        """``ttft(e) + penalty * uncached(e) / rate(e)``; one loop with locals (it runs per request)."""
+        miss = 1.0 + penalty
         prompt, block_tokens, matches = cycle.prompt_tokens, cycle.block_tokens, cycle.matches
         out: dict[str, float] = {}
-        miss: dict[str, float] = {}
-        busy = 0  # candidates with prefill queued
         for e in endpoints:
             m, model, load = e.metrics, e.model, e.load
             uncached = prompt - min(prompt, int(matches.get(e.key, 0) * block_tokens))
@@ -185,22 +131,11 @@ class CostScorer:
             sent = load.in_flight_requests - load.finished_streams + peer.in_flight_requests
             running = m.running if m.running > sent else sent
             step = model.step_base_s + model.step_per_seq_s * running
-            rate = model.prefill_rate
-            out[e.key] = (queued + uncached) / rate + step
-            miss[e.key] = uncached / rate
-            if queued > 0:
-                busy += 1
-        return out, miss, busy
-
-    def _priced(self, cycle: Cycle, endpoints: Sequence[EndpointState], price: float) -> dict[str, float]:
-        """``cost(e) = ttft(e) + price * uncached(e) / rate(e)`` at a given ``price``."""
-        out, miss, _ = self._costs(cycle, endpoints)
-        return {k: v + price * miss[k] for k, v in out.items()}
+            out[e.key] = (queued + miss * uncached) / model.prefill_rate + step
+        return out
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
-        out, miss, busy = self._costs(cycle, endpoints)
-        price = self.price(busy, len(endpoints))
-        est = {k: v + price * miss[k] for k, v in out.items()}
+        est = self._costs(cycle, endpoints, self.miss_penalty)
         key = min(est, key=est.__getitem__)
         return self._scores(cycle, est, key, next(e for e in endpoints if e.key == key).model.step_base_s)
 
@@ -209,16 +144,15 @@ class CostScorer:
         scoring at least ``1 - slack`` (the best scores 1), so that a profile whose other scorers
         weigh ``slack`` times this one's weight or less picks the same (``Profile.run``).
 
-        The ``price`` is the whole candidate set's (one pass counts ``busy``). Only the endpoints
-        that can reach that score are costed: a lower bound on ``cost(e)`` that needs no load,
-        ``lb(d) = (1 + price) * uncached(d) / max rate + min step_base`` for an endpoint
-        holding ``d`` blocks (``queued``, ``running`` and ``step_per_seq`` are never negative),
-        orders them. The deepest holders are costed first; then every endpoint whose bound is at
-        most ``limit = max(best + max step_base, best / (1 - slack))`` (``best``: the cheapest
-        cost so far), the non-holders last and only if their common bound is. An endpoint left
-        out costs more than ``limit``, so it is neither tied with the best (within its
-        ``step_base``) nor at ``1 - slack``. The per-endpoint terms come from ``_costs`` itself,
-        so the formula lives in one place.
+        Only the endpoints that can reach that score are costed: a lower bound on ``cost(e)``
+        that needs no load, ``lb(d) = (1 + miss_penalty) * uncached(d) / max rate + min
+        step_base`` for an endpoint holding ``d`` blocks (``queued``, ``running`` and
+        ``step_per_seq`` are never negative), orders them. The deepest holders are costed
+        first; then every endpoint whose bound is at most ``limit = max(best + max step_base,
+        best / (1 - slack))`` (``best``: the cheapest cost so far), the non-holders last and only
+        if their common bound is. An endpoint left out costs more than ``limit``, so it is
+        neither tied with the best (within its ``step_base``) nor at ``1 - slack``. The
+        per-endpoint terms come from ``_costs`` itself, so the formula lives in one place.
 
         Same scores as :meth:`score` for the endpoints returned, hence the same winners; the
         cheapest endpoint is the first in ``endpoints``' order among equal costs, as there."""
@@ -228,21 +162,19 @@ class CostScorer:
         rates = list(map(_RATE, models))
         if min(rates) <= 0 or min(map(_PER_SEQ, models)) < 0:
             return self.score(cycle, endpoints)
-        busy = sum(1 for e in endpoints if queued_and_running(e)[0] > 0)
-        price = self.price(busy, len(endpoints))
-        prompt, block_tokens = cycle.prompt_tokens, cycle.block_tokens
+        penalty, prompt, block_tokens = self.miss_penalty, cycle.prompt_tokens, cycle.block_tokens
         bases = list(map(_BASE, models))
-        slope, floor, widest = (1.0 + price) / max(rates), min(bases), max(bases)
+        slope, floor, widest = (1.0 + penalty) / max(rates), min(bases), max(bases)
         mget = cycle.matches.get
         depths = [mget(e.key, 0) for e in endpoints]
         deepest = max(depths)
-        costs = self._priced
+        costs = self._costs
         est: dict[str, float] = {}
         costed: list[EndpointState] = []
         limit = float("inf")
         if deepest > 0:  # the deepest holders first, for a limit...
             costed = [e for e, d in zip(endpoints, depths, strict=True) if d == deepest]
-            est = costs(cycle, costed, price)
+            est = costs(cycle, costed, penalty)
             best = min(est.values())
             limit = max(best + widest, best / (1.0 - slack)) * _ROUNDING
             # ...then every holder whose bound is within it: uncached(d) <= room, that is
@@ -253,13 +185,13 @@ class CostScorer:
                 more = [e for e, d in zip(endpoints, depths, strict=True) if shallowest <= d < deepest]
                 if more:
                     costed += more
-                    est.update(costs(cycle, more, price))
+                    est.update(costs(cycle, more, penalty))
                     best = min(est.values())
                     limit = max(best + widest, best / (1.0 - slack)) * _ROUNDING
         if prompt * slope + floor <= limit:  # a non-holder can still win: cost them all
             more = [e for e, d in zip(endpoints, depths, strict=True) if not d]
             costed += more
-            est.update(costs(cycle, more, price))
+            est.update(costs(cycle, more, penalty))
         best = min(est.values())
         # score()'s cheapest: the first in endpoints' order among equal costs
         cheapest = [e for e in costed if est[e.key] == best]
@@ -271,24 +203,14 @@ class CostScorer:
     def _scores(cycle: Cycle, est: dict[str, float], key: str, step_base: float) -> dict[str, float]:
         """Scores from costs, ``key`` the cheapest (its ``step_base`` is the tie's width)."""
         best = est[key]
-        # Within one engine step of the best is a tie (score 1)...
+        # Within one engine step of the best is a tie (score 1, broken at random by the picker)...
         tie = best + step_base
         scores = {k: 1.0 if v <= tie else best / v for k, v in est.items()}
-        tied = [k for k, s in scores.items() if s == 1.0]
-        if len(tied) < 2:
-            return scores
-        # ...won by the tied endpoints holding the most of the prompt...
+        # ...except that the tied endpoints holding the most of the prompt win it.
         matches = cycle.matches
-        most = max(matches.get(k, 0) for k in tied)
-        top = [k for k in tied if matches.get(k, 0) == most] if most else tied
-        keys = cycle.block_keys
-        if len(top) > 1 and keys:
-            # ...and among those, by the prefix's rendezvous order.
-            deepest = max(matches.values(), default=0)
-            prefix = keys[min(deepest, len(keys)) - 1] if deepest else keys[0]
-            win = max(top, key=lambda k: rendezvous(prefix, k))
-            top = [win]
-        if len(top) < len(tied):
-            for k in tied:
-                scores[k] = 1.0 if k in top else 1.0 - TIE_MARGIN
+        most = max((matches.get(k, 0) for k, s in scores.items() if s == 1.0), default=0)
+        if most:
+            for k, s in scores.items():
+                if s == 1.0 and matches.get(k, 0) < most:
+                    scores[k] = 1.0 - TIE_MARGIN
         return scores

@@ -34,10 +34,6 @@ class Cycle:
     now: float
     priority: int = 0
     """The request's objective priority (config ``objectives``); negative means sheddable."""
-    block_keys: Sequence[int] = ()
-    """The chained keys of the prompt's blocks, the ones ``matches`` counts (precise KV-block keys
-    or the routing text's block hashes): ``block_keys[d - 1]`` names the prompt's first ``d``
-    blocks. Empty when the router has none."""
 
     def cached_tokens(self, key: str) -> int:
         return min(self.prompt_tokens, int(self.matches.get(key, 0) * self.block_tokens))
