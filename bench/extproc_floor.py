@@ -74,6 +74,14 @@ VARIANTS = {
     "aio-tls-throughput": Variant(
         "aio", options=(("grpc.optimization_target", "throughput"),), note="grpc.optimization_target"
     ),
+    "aio-tls-h2window": Variant(
+        "aio",
+        options=(("grpc.http2.lookahead_bytes", 4 << 20), ("grpc.http2.max_frame_size", 4 << 20)),
+        note="grpc.aio, HTTP/2 stream window and frame size 4 MiB (a 400 KB body in one window)",
+    ),
+    "aio-tls-nobdp": Variant(
+        "aio", options=(("grpc.http2.bdp_probe", 0),), note="grpc.aio, no BDP probe pings"
+    ),
     "uvloop-tls": Variant("uvloop", note="grpc.aio on uvloop"),
     "sync-tls": Variant("sync", note="grpc.server, ThreadPoolExecutor(16)"),
     "sync-plain": Variant("sync", tls=False, note="grpc.server, plaintext"),
