@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import os
 import pathlib
 import statistics
 import sys
@@ -46,6 +45,8 @@ import aiohttp
 
 from kvlaunch.procs import PY, Procs, free_port, wait_port
 from kvlaunch.stack import Stack
+
+from .progressive import cpu_s
 
 CHAT = "/v1/chat/completions"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -209,18 +210,6 @@ def serve(name: str, port: int, destination: str, pki: str) -> None:
 
 
 # -- the driver ----------------------------------------------------------------------------------
-def cpu_s(pid: int) -> float:
-    """Run time of every live thread of ``pid``, seconds (``/proc/PID/task/*/schedstat``)."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass  # a thread that ended meanwhile
-    return total / 1e9
-
-
 async def send(http: aiohttp.ClientSession, url: str, body: bytes, n: int, rate: float) -> list[int]:
     """Post ``body`` ``n`` times, one every ``1/rate`` seconds (open loop); the statuses."""
     headers = {"content-type": "application/json"}
