@@ -196,3 +196,25 @@ def test_a_cut_extended_in_place_leaves_earlier_ids_alone(tok_dir: pathlib.Path)
         assert (p.ids.tobytes(), p.ends.tobytes(), list(p.keys)) == snapshot, (
             "an earlier request's ids changed"
         )
+
+
+@settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.large_base_example],
+)
+@given(text=st.one_of(texts, long_texts), share=st.integers(0, 6000), tail=long_texts)
+def test_text_ids_with_the_special_head_and_tail_are_the_whole_tokenization(
+    tok_dir: pathlib.Path, text: str, share: int, tail: str
+) -> None:
+    """``text_ids(text, special=True)`` is the tokenizer's own encoding with its special tokens,
+    for short texts (a list) and the cache's long ones (an array joined with the head and tail),
+    cold, and warm from a text sharing any prefix; the cached ids themselves are left as they were."""
+    want = load(str(tok_dir), cache_entries=0).tok.encode(text, add_special_tokens=True).ids
+    for warm in (None, text[:share] + tail):
+        ours = load(str(tok_dir), cache_entries=4)
+        if warm is not None:
+            ours.text_ids(warm, True)
+        assert list(ours.text_ids(text, True)) == want
+        assert list(ours.text_ids(text, True)) == want, "a second call, from the cache"
+        assert list(ours.text_ids(text, False)) == want[1:-1], "the head and tail: one token each"

@@ -163,7 +163,14 @@ class HFPromptTokenizer:
             if self.cache is not None
             else self.tok.encode(text, add_special_tokens=False).ids
         )
-        return [*self._head, *ids, *self._tail] if special and (self._head or self._tail) else ids
+        if not (special and (self._head or self._tail)):
+            return ids
+        if isinstance(ids, array):  # a long text's cached ids: joined as arrays, one memcpy each
+            out = array(IDS, self._head)
+            out += ids
+            out.extend(self._tail)
+            return out
+        return [*self._head, *ids, *self._tail]
 
     def encode(self, doc: dict[str, Any], path: str) -> Sequence[int] | None:
         with self._lock:
