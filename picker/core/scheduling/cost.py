@@ -51,6 +51,16 @@ cold one, the holder keeps the request until::
 that is, until the holder's estimated TTFT exceeds the cold endpoint's, miss included, by a
 margin in seconds: ``miss_penalty`` times the miss's own prefill time on the cold endpoint.
 The margin adapts to the prompt and to the measured speed; it is never a request count.
+
+**A TTFT objective: the deepest holder that meets it.** A request that carries a TTFT
+objective (``slo_ttft_ms``, seconds ``slo``) gains nothing from a first token earlier than
+``slo``, while every uncached token it brings is prefill the pool spends on it alone. So among
+the endpoints predicted to meet it (``ttft(e) <= slo``), those holding the most of the prompt
+(the fewest uncached tokens) are preferred, the cheapest of them by ``cost(e)`` first; every
+other endpoint is ranked after them, in ``cost(e)`` order (their costs raised to just past the
+preferred best plus one ``step_base``). With no endpoint predicted to meet the objective, or
+without one, the ranking is the one above. The threshold is the request's own objective: no
+knob.
 """
 
 from __future__ import annotations
@@ -136,8 +146,32 @@ class CostScorer:
 
     def score(self, cycle: Cycle, endpoints: Sequence[EndpointState]) -> dict[str, float]:
         est = self._costs(cycle, endpoints, self.miss_penalty)
+        slo = cycle.request.slo_ttft_ms / 1000.0
+        if slo > 0:
+            self._meet(cycle, endpoints, est, slo)
         key = min(est, key=est.__getitem__)
         return self._scores(cycle, est, key, next(e for e in endpoints if e.key == key).model.step_base_s)
+
+    def _meet(
+        self, cycle: Cycle, endpoints: Sequence[EndpointState], est: dict[str, float], slo: float
+    ) -> None:
+        """The TTFT objective's rule (module docstring), on ``est`` in place: the endpoints
+        predicted to meet ``slo`` seconds that hold the most of the prompt keep their costs;
+        every other endpoint's is raised past the best of theirs plus one ``step_base``."""
+        ttft = self._costs(cycle, endpoints, 0.0) if self.miss_penalty else est
+        meets = [k for k, t in ttft.items() if t <= slo]
+        if not meets:
+            return
+        matches = cycle.matches
+        deepest = max(matches.get(k, 0) for k in meets)
+        keep = {k for k in meets if matches.get(k, 0) == deepest}
+        if len(keep) == len(est):
+            return
+        best = min(est[k] for k in keep)
+        floor = best + max(e.model.step_base_s for e in endpoints) * 2.0
+        for k, v in est.items():
+            if k not in keep and v < floor:
+                est[k] = floor + v * 1e-6
 
     def score_top(self, cycle: Cycle, endpoints: Sequence[EndpointState], slack: float) -> dict[str, float]:
         """:meth:`score`'s exact scores for a subset of ``endpoints`` that holds every endpoint
@@ -157,6 +191,8 @@ class CostScorer:
         Same scores as :meth:`score` for the endpoints returned, hence the same winners; the
         cheapest endpoint is the first in ``endpoints``' order among equal costs, as there."""
         if len(endpoints) < PRUNE_MIN or slack >= 1.0 or cycle.block_tokens <= 0:
+            return self.score(cycle, endpoints)
+        if cycle.request.slo_ttft_ms > 0:  # the objective's rule ranks by depth first: cost them all
             return self.score(cycle, endpoints)
         models = list(map(_MODEL, endpoints))
         rates = list(map(_RATE, models))
