@@ -274,6 +274,43 @@ def test_a_hot_prefix_spills_by_a_margin_in_seconds() -> None:
     assert ties[1] < ties[0] / 2, "the slower holder spills after far less queued work"
 
 
+@pytest.mark.parametrize(
+    ("pending", "slo_ms", "winner"),
+    [
+        (10_000, 0.0, 2),  # no objective: A's cost 1.82 s > B's 1.64 s, the prefix spills
+        (10_000, 2000.0, 1),  # ttft(A) = 1.41 s meets 2 s: the holder keeps it
+        (10_000, 1000.0, 2),  # 1.41 s misses 1 s; B (0.82 s) meets it: the rule above
+        (15_854, 2000.0, 1),  # ttft(A) = 1.9994 s: still meets it
+        (15_860, 2000.0, 2),  # 2.0000 s + a token: misses it
+        (20_000, 2000.0, 2),  # 2.41 s: misses it; B meets it
+    ],
+)
+def test_a_ttft_objective_keeps_the_deepest_holder_that_meets_it(
+    pending: int, slo_ms: float, winner: int
+) -> None:
+    """With a TTFT objective, among the endpoints predicted to meet it the one holding the most
+    of the prompt wins, whatever the cold endpoint's lower TTFT; an endpoint that misses it is
+    ranked as without the objective."""
+    cyc = cycle(HOT, n_blocks=512, prompt_tokens=8192)
+    cyc = dataclasses.replace(cyc, request=dataclasses.replace(cyc.request, slo_ttft_ms=slo_ms))
+    a, b = ep(1, pending_prefill_tokens=pending), ep(2)
+    scores = CostScorer().score(cyc, [a, b])
+    assert max(scores.values()) == 1.0
+    assert (1 if scores[A] > scores[B] else 2) == winner
+    assert CostScorer().estimates(cyc, [a, b]) == CostScorer().estimates(
+        dataclasses.replace(cyc, request=dataclasses.replace(cyc.request, slo_ttft_ms=0.0)), [a, b]
+    ), "the TTFT estimates are the objective's input, unchanged"
+
+
+def test_a_ttft_objective_ranks_the_others_after_the_holder_in_cost_order() -> None:
+    """The endpoints left out of the objective's preferred set keep their own order below it."""
+    cyc = cycle(HOT, n_blocks=512, prompt_tokens=8192)
+    cyc = dataclasses.replace(cyc, request=dataclasses.replace(cyc.request, slo_ttft_ms=2000.0))
+    a, b, c = ep(1, pending_prefill_tokens=10_000), ep(2), ep(3, pending_prefill_tokens=4000)
+    scores = CostScorer().score(cyc, [a, b, c])
+    assert scores[A] == 1.0 > scores[B] > scores["10.0.0.1:3"]
+
+
 def test_a_tie_goes_to_the_endpoint_holding_more_of_the_prompt() -> None:
     """A miss cheaper than one engine step ties the costs; the holder still wins every pick
     (a second copy at random wastes cache), and with nothing cached the tie stays random."""
