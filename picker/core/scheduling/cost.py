@@ -58,7 +58,8 @@ objective (``slo_ttft_ms``, seconds ``slo``) gains nothing from a first token ea
 the endpoints predicted to meet it (``ttft(e) <= slo``), those holding the most of the prompt
 (the fewest uncached tokens) are preferred, the cheapest of them by ``cost(e)`` first; every
 other endpoint is ranked after them, in ``cost(e)`` order (their costs raised to just past the
-preferred best plus one ``step_base``). With no endpoint predicted to meet the objective, or
+preferred best plus two ``step_base``: beyond the one-step tie band above, so none of them ties
+with it). With no endpoint predicted to meet the objective, or
 without one, the ranking is the one above. The threshold is the request's own objective: no
 knob.
 """
