@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import yaml
 
 from kvlaunch.procs import PY, Procs, free_port, wait_port
 from kvlaunch.stack import Stack
@@ -58,13 +59,20 @@ SIZES = {"1k": 1024, "400k": 400 * 1024}
 @dataclass(frozen=True)
 class Variant:
     server: str
-    """``aio`` (``grpc.aio``, as the picker), ``uvloop`` (the same on uvloop's event loop) or
-    ``sync`` (``grpc.server`` on a ThreadPoolExecutor)."""
+    """``aio`` (``grpc.aio``, as the picker), ``uvloop`` (the same on uvloop's event loop),
+    ``sync`` (``grpc.server`` on a ThreadPoolExecutor), ``sync-handoff`` (the same, each message
+    answered by a coroutine on an asyncio loop in another thread, as a sync front to the picker's
+    loop-bound director would have to) or ``grpclib`` (grpclib's pure-Python asyncio server over
+    h2; not a dependency: install it to run these)."""
     tls: bool = True
     """TLS with a required client certificate (the picker's ``--client-ca-path``), or plaintext
     (the picker's ``--secure-serving false``, Envoy's ``--plaintext``)."""
     linger: bool = True
     options: tuple[tuple[str, Any], ...] = ()
+    oghttp2: bool = False
+    """Envoy's picker clusters on the oghttp2 codec (``use_oghttp2_codec``) instead of Envoy's
+    default, nghttp2. nghttp2 sends DATA frames of at most 16 KiB whatever the server's
+    ``SETTINGS_MAX_FRAME_SIZE``; oghttp2 honours it (``python -m bench.h2_frames``)."""
     note: str = ""
 
 
@@ -83,9 +91,43 @@ VARIANTS = {
     "aio-tls-nobdp": Variant(
         "aio", options=(("grpc.http2.bdp_probe", 0),), note="grpc.aio, no BDP probe pings"
     ),
+    "aio-tls-frame16m": Variant(
+        "aio",
+        options=(("grpc.http2.max_frame_size", (1 << 24) - 1),),
+        note="grpc.aio, SETTINGS_MAX_FRAME_SIZE 16 MiB-1 (Envoy may send larger DATA frames)",
+    ),
+    "aio-tls-readchunk": Variant(
+        "aio",
+        options=(
+            ("grpc.experimental.tcp_read_chunk_size", 512 << 10),
+            ("grpc.experimental.tcp_min_read_chunk_size", 256 << 10),
+            ("grpc.experimental.tcp_max_read_chunk_size", 4 << 20),
+        ),
+        note="grpc.aio, TCP reads of 512 KiB (min 256 KiB, max 4 MiB) instead of 8 KiB adaptive",
+    ),
+    "aio-tls-oghttp2": Variant("aio", oghttp2=True, note="grpc.aio; Envoy's picker clusters on oghttp2"),
+    "aio-tls-oghttp2-frame16m": Variant(
+        "aio",
+        oghttp2=True,
+        options=(("grpc.http2.max_frame_size", (1 << 24) - 1), ("grpc.http2.lookahead_bytes", 4 << 20)),
+        note="grpc.aio, SETTINGS_MAX_FRAME_SIZE 16 MiB-1 and a 4 MiB stream window; Envoy's picker "
+        "clusters on oghttp2 (a 400 KB body in one or two DATA frames)",
+    ),
     "uvloop-tls": Variant("uvloop", note="grpc.aio on uvloop"),
     "sync-tls": Variant("sync", note="grpc.server, ThreadPoolExecutor(16)"),
     "sync-plain": Variant("sync", tls=False, note="grpc.server, plaintext"),
+    "sync-tls-oghttp2-frame16m": Variant(
+        "sync",
+        oghttp2=True,
+        options=(("grpc.http2.max_frame_size", (1 << 24) - 1), ("grpc.http2.lookahead_bytes", 4 << 20)),
+        note="grpc.server, as aio-tls-oghttp2-frame16m",
+    ),
+    "sync-tls-handoff": Variant(
+        "sync-handoff",
+        note="grpc.server, mTLS; each message answered on an asyncio loop thread "
+        "(run_coroutine_threadsafe(...).result())",
+    ),
+    "grpclib-tls": Variant("grpclib", note="grpclib 0.4 (pure-Python h2 on asyncio), mTLS"),
 }
 
 
@@ -143,26 +185,87 @@ def _credentials(pki: str) -> Any:
     return server_credentials(f"{pki}/picker", False, f"{pki}/gateway/ca.crt")
 
 
+def serve_grpclib(port: int, destination: str, pki: str, tls: bool, linger: bool) -> None:
+    """:func:`serve` on grpclib: ext_proc and grpclib's gRPC health on ``127.0.0.1:port``."""
+    import ssl
+
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from grpclib.const import Cardinality, Handler
+    from grpclib.health.service import Health
+    from grpclib.server import Server, Stream
+
+    answers = _answers(destination)
+
+    class Service:
+        async def process(self, stream: Stream[Any, Any]) -> None:
+            async for msg in stream:
+                resp = _answer(answers, msg)
+                if resp is not None:
+                    await stream.send_message(resp)
+            if linger:
+                await asyncio.sleep(LINGER_S)
+
+        def __mapping__(self) -> dict[str, Handler]:
+            return {
+                f"/{EXT_PROC_SERVICE}/Process": Handler(
+                    self.process, Cardinality.STREAM_STREAM, pb.ProcessingRequest, pb.ProcessingResponse
+                )
+            }
+
+    ctx = None
+    if tls:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=f"{pki}/gateway/ca.crt")
+        ctx.load_cert_chain(f"{pki}/picker/tls.crt", f"{pki}/picker/tls.key")
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.set_alpn_protocols(["h2"])
+
+    async def main() -> None:
+        service = Service()  # health: SERVING for "" and the service's name (no checks)
+        server = Server([service, Health({service: []})])
+        await server.start("127.0.0.1", port, ssl=ctx)
+        await server.wait_closed()
+
+    asyncio.run(main())
+
+
 def serve(name: str, port: int, destination: str, pki: str) -> None:
     """Serve ext_proc and gRPC health on ``127.0.0.1:port`` as variant ``name`` until killed."""
+    v = VARIANTS[name]
+    if v.server == "grpclib":  # before grpc_health's import: grpclib registers its own health.proto
+        serve_grpclib(port, destination, pki, v.tls, v.linger)
+        return
     import grpc
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    v = VARIANTS[name]
     answers = _answers(destination)
     addr = f"127.0.0.1:{port}"
     options = [("grpc.max_receive_message_length", 16 << 20), *v.options]
     serving = health_pb2.HealthCheckResponse.SERVING
 
-    if v.server == "sync":
+    if v.server == "sync-handoff":
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="loop", daemon=True).start()
+
+        async def answer_on_loop(msg: Any) -> Any | None:
+            return _answer(answers, msg)
+
+        def answer(msg: Any) -> Any | None:
+            return asyncio.run_coroutine_threadsafe(answer_on_loop(msg), loop).result()
+
+    else:
+
+        def answer(msg: Any) -> Any | None:
+            return _answer(answers, msg)
+
+    if v.server in ("sync", "sync-handoff"):
 
         class SyncService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             def Process(
                 self, request_iterator: Iterator[Any], context: grpc.ServicerContext
             ) -> Iterator[Any]:
                 for msg in request_iterator:
-                    resp = _answer(answers, msg)
+                    resp = answer(msg)
                     if resp is not None:
                         yield resp
                 if v.linger:  # until the reset (the call's termination callback), as the picker
@@ -210,6 +313,18 @@ def serve(name: str, port: int, destination: str, pki: str) -> None:
 
 
 # -- the driver ----------------------------------------------------------------------------------
+def oghttp2_pickers(config: str) -> str:
+    """``config`` (render.py's YAML) with its picker clusters on Envoy's oghttp2 codec."""
+    cfg = yaml.safe_load(config)
+    for c in cfg["static_resources"]["clusters"]:
+        if c["name"].startswith("kvpick_picker"):
+            opts = c["typed_extension_protocol_options"][
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+            ]
+            opts["explicit_http_config"]["http2_protocol_options"]["use_oghttp2_codec"] = True
+    return str(yaml.safe_dump(cfg))
+
+
 async def send(http: aiohttp.ClientSession, url: str, body: bytes, n: int, rate: float) -> list[int]:
     """Post ``body`` ``n`` times, one every ``1/rate`` seconds (open loop); the statuses."""
     headers = {"content-type": "application/json"}
@@ -235,7 +350,7 @@ def run_one(st: Stack, name: str, pki: str, body: bytes, args: argparse.Namespac
         wait_port(st.grpc_port, procs=st.procs, proc=proc)
         url = st.url + CHAT
 
-        async def go() -> tuple[list[int], float, float, float]:
+        async def go() -> tuple[list[int], float, float, float, float]:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
                 deadline = time.monotonic() + 30
                 while (await send(http, url, body, 1, 1.0)) != [200]:  # Envoy sees it healthy
@@ -246,13 +361,14 @@ def run_one(st: Stack, name: str, pki: str, body: bytes, args: argparse.Namespac
                 await asyncio.sleep(LINGER_S + 0.2)  # the warm-up's streams reset
                 i0, t_idle = cpu_s(proc.pid), time.monotonic()
                 await asyncio.sleep(args.idle)
-                c0, t0 = cpu_s(proc.pid), time.monotonic()
+                c0, e0, t0 = cpu_s(proc.pid), cpu_s(envoy.pid), time.monotonic()
                 statuses = await send(http, url, body, args.requests, args.rate)
                 await asyncio.sleep(args.tail)
-                c1, t1 = cpu_s(proc.pid), time.monotonic()
-            return statuses, (c0 - i0) / (t0 - t_idle), c1 - c0, t1 - t0
+                c1, e1, t1 = cpu_s(proc.pid), cpu_s(envoy.pid), time.monotonic()
+            return statuses, (c0 - i0) / (t0 - t_idle), c1 - c0, e1 - e0, t1 - t0
 
-        statuses, idle_rate, cpu, seconds = asyncio.run(go())
+        envoy = next(p for n, p in st.procs.procs if n == "envoy")
+        statuses, idle_rate, cpu, envoy_cpu, seconds = asyncio.run(go())
     finally:
         st.procs.stop("server")
         st.procs.procs = [(n, p) for n, p in st.procs.procs if n != "server"]
@@ -261,6 +377,7 @@ def run_one(st: Stack, name: str, pki: str, body: bytes, args: argparse.Namespac
         "cpu_ms": cpu * 1000 / max(ok, 1),
         "net_ms": (cpu - idle_rate * seconds) * 1000 / max(ok, 1),
         "idle_cores": idle_rate,
+        "envoy_ms": envoy_cpu * 1000 / max(ok, 1),
         "ok": ok,
         "sent": len(statuses),
     }
@@ -272,16 +389,19 @@ def fmt(xs: list[float], digits: int = 2) -> str:
 
 def table(results: dict[tuple[str, str], list[dict[str, float]]], names: list[str], sizes: list[str]) -> str:
     """The markdown table: one row per variant, net CPU ms per request per body size."""
-    head = " | ".join(f"{s} net CPU ms/req | {s} gross" for s in sizes)
+    head = " | ".join(f"{s} net CPU ms/req | {s} gross | {s} Envoy's" for s in sizes)
     lines = [
         f"| variant | {head} | idle cores | 200s | what |",
-        "|---|" + "---|---|" * len(sizes) + "---|---|---|",
+        "|---|" + "---|---|---|" * len(sizes) + "---|---|---|",
     ]
     for name in names:
         cells, idle, oks = [], [], []
         for s in sizes:
             rs = results[name, s]
-            cells.append(f"{fmt([r['net_ms'] for r in rs])} | {fmt([r['cpu_ms'] for r in rs])}")
+            cells.append(
+                f"{fmt([r['net_ms'] for r in rs])} | {fmt([r['cpu_ms'] for r in rs])} | "
+                f"{fmt([r['envoy_ms'] for r in rs])}"
+            )
             idle += [r["idle_cores"] for r in rs]
             oks.append(f"{sum(int(r['ok']) for r in rs)}/{sum(int(r['sent']) for r in rs)}")
         lines.append(
@@ -322,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in names if n not in skipped]
         if skipped:
             print(f"no uvloop installed: {', '.join(skipped)} left out", file=sys.stderr)
+    if importlib.util.find_spec("grpclib") is None:  # not a dependency: measured, not shipped
+        skipped = [n for n in names if VARIANTS[n].server == "grpclib"]
+        names = [n for n in names if n not in skipped]
+        if skipped:
+            print(f"no grpclib installed: {', '.join(skipped)} left out", file=sys.stderr)
     bodies = {s: make_body(SIZES[s], stream=False) for s in sizes}
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     t_start = time.monotonic()
@@ -329,20 +454,21 @@ def main(argv: list[str] | None = None) -> int:
         root = pathlib.Path(tmp)
         pki = local_pki(root / "pki")
         upstream = [free_port()]
-        stacks: dict[bool, Stack] = {}
+        stacks: dict[tuple[bool, bool], Stack] = {}
         try:
-            for tls in sorted({VARIANTS[n].tls for n in names}):
-                run_dir = root / ("tls" if tls else "plain")
+            for tls, og in sorted({(VARIANTS[n].tls, VARIANTS[n].oghttp2) for n in names}):
+                run_dir = root / f"{'tls' if tls else 'plain'}{'-oghttp2' if og else ''}"
                 run_dir.mkdir()
-                st = stacks[tls] = Stack(Procs(run_dir), upstream, grpc_port=free_port())
-                if len(stacks) == 1:  # one upstream, served to both Envoys
+                st = stacks[tls, og] = Stack(Procs(run_dir), upstream, grpc_port=free_port())
+                if len(stacks) == 1:  # one upstream, served to every Envoy
                     st.start_upstreams("--fixed")
                 st.pki = pki if tls else None
-                st.start_envoy(*([] if tls else ["--plaintext"]))
+                config = st.render_envoy(*([] if tls else ["--plaintext"]))
+                st.start_envoy(config=oghttp2_pickers(config) if og else config)
             for rep in range(args.repeats):
                 for name in names:
                     for s in sizes:
-                        st = stacks[VARIANTS[name].tls]
+                        st = stacks[VARIANTS[name].tls, VARIANTS[name].oghttp2]
                         res = run_one(st, name, str(root / "pki"), bodies[s], args)
                         results.setdefault((name, s), []).append(res)
                         print(f"repeat {rep + 1} {name} {s}: {res}", file=sys.stderr, flush=True)
