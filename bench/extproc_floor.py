@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in names if n not in skipped]
         if skipped:
             print(f"no uvloop installed: {', '.join(skipped)} left out", file=sys.stderr)
-    if importlib.util.find_spec("grpclib") is None:  # not a dependency: measured, not shipped
+    if importlib.util.find_spec("grpclib") is None:  # the bench extra (measured, not shipped)
         skipped = [n for n in names if VARIANTS[n].server == "grpclib"]
         names = [n for n in names if n not in skipped]
         if skipped:

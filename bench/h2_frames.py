@@ -1,7 +1,7 @@
 """``python -m bench.h2_frames``: how Envoy sizes the HTTP/2 DATA frames it sends to an ext_proc
 server, per codec and per advertised ``SETTINGS_MAX_FRAME_SIZE`` (issue 24):
 
-    flock /tmp/kvpick-heavy.lock python -m bench.h2_frames      # needs grpclib (not a dependency)
+    flock /tmp/kvpick-heavy.lock python -m bench.h2_frames      # grpclib: the bench extra
 
 Envoy runs with ``deploy/envoy/render.py``'s config (plaintext to ext_proc, so the frames can be
 read), its picker clusters on its default HTTP/2 codec (nghttp2) or on oghttp2
@@ -57,8 +57,8 @@ def serve_probe(port: int, destination: str, max_frame: int, log: str) -> None:
                 out.write(f"{e.stream_id} {e.flow_controlled_length}\n")
         return events
 
-    h2.connection.H2Connection.initiate_connection = initiate_connection
-    h2.connection.H2Connection.receive_data = receive_data
+    h2.connection.H2Connection.initiate_connection = initiate_connection  # type: ignore[method-assign]
+    h2.connection.H2Connection.receive_data = receive_data  # type: ignore[method-assign]
     serve_grpclib(port, destination, "", tls=False, linger=False)
 
 
