@@ -65,8 +65,10 @@ def run(
     pickers: int = 1,
     share: frozenset[str] = frozenset(),
     peer_delay_s: float = 0.01,
+    prefix_mode: str = "approximate",
 ) -> tuple[Cluster, dict[str, Any]]:
     cfg = cfg or RouterConfig()
+    cfg = dataclasses.replace(cfg, prefix=dataclasses.replace(cfg.prefix, mode=prefix_mode))
     fcc = dataclasses.replace(fc_cfg or cfg.flow_control, enabled=fc)
     t0 = time.perf_counter()
     c = Cluster(
@@ -167,7 +169,7 @@ def cmd_capacity(rows: Sequence[trace.Row], a: argparse.Namespace) -> dict[str, 
     without (what it sustains once its replicas' queues grow without bound)."""
     out: dict[str, Any] = {"trace_rps": trace_rate(rows)}
     for name, fc in (("fed", True), ("cost_off", False)):
-        c, s = run(rows, "cost", fc, 0.1, a.seed, fc_cfg=KEPT_FED)
+        c, s = run(rows, "cost", fc, 0.1, a.seed, fc_cfg=KEPT_FED, prefix_mode=a.prefix_mode)
         cap = c.done / c.now
         print(
             f"{name}: {cap:.2f} req/s ({cap / trace_rate(rows):.2f} x the trace's rate); hit {s['hit_rate']:.3f}"
@@ -199,7 +201,9 @@ def cmd_overload(rows: Sequence[trace.Row], a: argparse.Namespace) -> list[dict[
         loads.append(("burst", burst_rows(rows, rate, cap), 1.0))
     for label, rs, ts in loads:
         for pol, fc in POLICIES:
-            _, s = run(rs, pol, fc, ts, a.seed, None if a.plain else slo_tag, SHEDDABLE)
+            _, s = run(
+                rs, pol, fc, ts, a.seed, None if a.plain else slo_tag, SHEDDABLE, prefix_mode=a.prefix_mode
+            )
             s.update(load=label, policy=pol, flow_control=fc, time_scale=ts)
             out.append(s)
             line(s)
@@ -233,13 +237,13 @@ def cmd_tenants(rows: Sequence[trace.Row], a: argparse.Namespace) -> list[dict[s
     fair: Callable[[trace.Row], Tag] = lambda r: Tag("sheddable", tenant[r.index])  # noqa: E731
     one: Callable[[trace.Row], Tag] = lambda r: Tag("sheddable")  # noqa: E731
     out = []
-    _, ref = run(rows, "cost", True, rate / (0.8 * cap), a.seed, fair, SHEDDABLE)
+    _, ref = run(rows, "cost", True, rate / (0.8 * cap), a.seed, fair, SHEDDABLE, prefix_mode=a.prefix_mode)
     ref.update(case="whole trace at 0.8 × capacity, FC")
     out.append(ref)
     print(f"reference p90 at 0.8: {ref['ttft_p90']:.3f}", flush=True)
     cases = [("FC, fair flows", True, fair), ("FC, one flow", True, one), ("no FC", False, fair)]
     for name, fc, tags in cases:
-        c, s = run(rows, "cost", fc, rate / (1.5 * cap), a.seed, tags, SHEDDABLE)
+        c, s = run(rows, "cost", fc, rate / (1.5 * cap), a.seed, tags, SHEDDABLE, prefix_mode=a.prefix_mode)
         window = s["window_s"]
         per = {}
         for t, recs in by(c.records, lambda r: tenant[r.row]).items():
@@ -281,12 +285,12 @@ def cmd_priority(rows: Sequence[trace.Row], a: argparse.Namespace) -> list[dict[
     ts = rate / (3.0 * cap)
     out = []
     alone_rows = [r for r in rows if crit(r)]
-    _, alone = run(alone_rows, "cost", True, ts, a.seed, tags, cfg)
+    _, alone = run(alone_rows, "cost", True, ts, a.seed, tags, cfg, prefix_mode=a.prefix_mode)
     alone.update(case="critical alone")
     out.append(alone)
     print(f"critical alone: p90 {alone['ttft_p90']:.3f}", flush=True)
     for fc in (True, False):
-        c, s = run(rows, "cost", fc, ts, a.seed, tags, cfg)
+        c, s = run(rows, "cost", fc, ts, a.seed, tags, cfg, prefix_mode=a.prefix_mode)
         per = {}
         for band, recs in by(c.records, lambda r: r.tag.objective).items():
             bs = summary(c, recs, s["window_s"])
@@ -333,6 +337,7 @@ def cmd_pickers(rows: Sequence[trace.Row], a: argparse.Namespace) -> list[dict[s
                     n,
                     share,
                     a.peer_delay_s,
+                    a.prefix_mode,
                 )
                 sat = [k / c.samples for k in c.sat_counts] if c.samples else []
                 s.update(
@@ -380,6 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--policies", default="", help="subset of: cost+fc,cost,round-robin,least-loaded")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prefix-mode",
+        default="approximate",
+        choices=("approximate", "precise"),
+        help="the picker's prefix index (precise: fed by the engines' KV events, as shipped)",
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     a.loads = [float(x) for x in a.loads.split(",") if x]
