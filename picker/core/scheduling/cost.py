@@ -158,7 +158,7 @@ class CostScorer:
     ) -> None:
         """The TTFT objective's rule (module docstring), on ``est`` in place: the endpoints
         predicted to meet ``slo`` seconds that hold the most of the prompt keep their costs;
-        every other endpoint's is raised past the best of theirs plus one ``step_base``."""
+        every other endpoint's is raised past the best of theirs plus two ``step_base``."""
         ttft = self._costs(cycle, endpoints, 0.0) if self.miss_penalty else est
         meets = [k for k, t in ttft.items() if t <= slo]
         if not meets:
