@@ -72,6 +72,12 @@ Writers, one per field:
 
 Invariant: every ``start`` is matched by exactly one effective ``finish`` (later calls are
 no-ops), so the in-flight counters return to zero when traffic stops; they are never negative.
+``unseen_requests + finished_streams <= in_flight_requests``: :meth:`reconcile` splits our
+requests in flight at a scrape, and an ending request takes its share of that split with it at
+once (an open stream's first), not at the next scrape. Left until the scrape, a request that had
+just ended still counted as queued work on its endpoint: a client sending one prompt after
+another saw each prefix's holder priced a whole request dearer than it was, and on a slow
+machine lose the next request of that prefix (tests/vllm/test_e2e_routing.py failed in CI so).
 A ticket's pending prefill is released at most once (``Ticket.pending``).
 """
 
@@ -180,6 +186,14 @@ class Accounting:
         load.in_flight_tokens -= ticket.prompt_tokens
         assert load.in_flight_requests >= 0, f"{key}: in-flight requests went negative"
         assert load.in_flight_tokens >= 0, f"{key}: in-flight tokens went negative"
+        # The last scrape's split of our requests in flight no longer fits: the ended one was
+        # among them. It most likely finished in the engine (its stream closed after), so an
+        # open stream goes first; a request no longer in flight is never unseen work.
+        excess = load.finished_streams + load.unseen_requests - load.in_flight_requests
+        if excess > 0:
+            closed = min(excess, load.finished_streams)
+            load.finished_streams -= closed
+            load.unseen_requests -= excess - closed
 
     def move(self, ticket: Ticket, new: EndpointState, uncached_tokens: int, matched_blocks: int) -> None:
         """Re-credit a live ticket to ``new``: its in-flight counts and, if its prefill is still

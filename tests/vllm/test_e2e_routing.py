@@ -4,9 +4,10 @@ default policy, caches reset in between; the replicas' own ``vllm:prefix_cache_h
 be higher under ours.
 
 The workload is built so that the difference is structural, not luck: four groups of four
-prompts share a ~550-token prefix per group and are sent as pairs (g0, g0, g1, g1, ...) twice.
-Round-robin alternates replicas, so every pair lands on both and each group is computed on both
-(2 hits of 4 per group); prefix affinity keeps a group on one replica (3 hits of 4)."""
+prompts share a ~1,300-token prefix per group (40 blocks of 32 tokens) and are sent one at a
+time, as pairs (g0, g0, g1, g1, ...) twice. Round-robin alternates replicas, so every pair
+lands on both and each group is computed on both (2 hits of 4 per group); prefix affinity keeps
+a group on one replica (3 hits of 4)."""
 
 from __future__ import annotations
 
@@ -74,9 +75,17 @@ def replicas(tiny_model_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFact
         shutil.rmtree(kv_dir, ignore_errors=True)
 
 
-def run_policy(tmp: pathlib.Path, urls: list[str], model: str, *picker_args: str) -> list[float]:
+def served(url: str) -> float:
+    """The replica's own count of requests it finished (``vllm:request_success_total``)."""
+    _, body, _ = http("GET", url + "/metrics")
+    return parse_metrics(body.decode()).request_success_total
+
+
+def run_policy(tmp: pathlib.Path, urls: list[str], model: str, *picker_args: str) -> tuple[list[float], str]:
     """Reset both caches, route the workload through Envoy + a picker started with
-    ``picker_args``, and return each replica's hit-token delta."""
+    ``picker_args``, and return each replica's hit-token delta and where each request was
+    served (a letter per request: ``a`` the first replica, ``b`` the second; from their
+    ``vllm:request_success_total``), for the failure message."""
     ports = [int(u.rsplit(":", 1)[1]) for u in urls]
     for url in urls:
         assert http("POST", url + "/reset_prefix_cache")[0] == 200
@@ -91,12 +100,15 @@ def run_policy(tmp: pathlib.Path, urls: list[str], model: str, *picker_args: str
             assert time.monotonic() < deadline, f"endpoints never ready: {st.endpoints()}"
             time.sleep(0.2)
         before = [hits_total(u) for u in urls]
+        where = []
         for prompt in workload():
+            done = [served(u) for u in urls]
             status, doc = post_json(
                 st.url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 2}
             )
             assert status == 200, doc
-        return [hits_total(u) - b for u, b in zip(urls, before, strict=True)]
+            where.append("".join("ab"[i] for i, u in enumerate(urls) if served(u) > done[i]) or "?")
+        return [hits_total(u) - b for u, b in zip(urls, before, strict=True)], " ".join(where)
     finally:
         procs.stop()
 
@@ -105,20 +117,15 @@ def test_default_policy_gets_more_prefix_hits_than_round_robin(
     replicas: list[str], tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     model = str(tiny_model_dir)
-    rr = run_policy(tmp_path / "rr", replicas, model, "--policy", "round-robin")
-    ours = run_policy(tmp_path / "default", replicas, model)  # no --policy: the default, cost
+    rr, rr_where = run_policy(tmp_path / "rr", replicas, model, "--policy", "round-robin")
+    ours, where = run_policy(tmp_path / "default", replicas, model)  # no --policy: the default, cost
     rr_hits, ours_hits = sum(rr), sum(ours)
-    print(f"prefix-cache hit tokens per replica: default policy {ours}, round-robin {rr}")
-    # A group prefix is ~550 tokens (17 full blocks of 32): round-robin hits it twice per group,
+    seen = f"hit tokens per replica: default {ours} served {where}; round-robin {rr} served {rr_where}"
+    print(seen)
+    # A group prefix is ~1,300 tokens (40 full blocks of 32): round-robin hits it twice per group,
     # prefix affinity three times, so ours is ahead by at least a group-prefix worth per group.
-    assert ours_hits > rr_hits, f"hit tokens per replica: default {ours}, round-robin {rr}"
-    assert ours_hits - rr_hits >= len(TOPICS) * 16 * 32, (ours_hits, rr_hits)
-
-
-def served(url: str) -> float:
-    """The replica's own count of requests it finished (``vllm:request_success_total``)."""
-    _, body, _ = http("GET", url + "/metrics")
-    return parse_metrics(body.decode()).request_success_total
+    assert ours_hits > rr_hits, seen
+    assert ours_hits - rr_hits >= len(TOPICS) * 16 * 32, seen
 
 
 def test_hot_prefix_spills_once_its_holder_is_measurably_slower(

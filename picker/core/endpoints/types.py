@@ -163,11 +163,14 @@ class Load:
     unseen_requests: int = 0
     """At the last scrape: requests sent here (before it, by a margin) that the engine counted
     neither running nor waiting: stuck in front of the engine (its API server), so work ahead
-    of any new request that the queue gauges do not show. Written by ``Accounting.reconcile``."""
+    of any new request that the queue gauges do not show. Written by ``Accounting.reconcile``;
+    lowered by ``Accounting.finish`` so that it never exceeds ``in_flight_requests`` less
+    ``finished_streams``."""
     finished_streams: int = 0
     """At the last scrape: requests of ours (sent before it, by a margin) still in flight whose
     work the engine has finished (neither running nor waiting there, and counted as seen):
-    streams Envoy has not closed yet. Not load. Written by ``Accounting.reconcile``."""
+    streams Envoy has not closed yet. Not load. Written by ``Accounting.reconcile``; lowered by
+    ``Accounting.finish`` as those streams close."""
     sent_total: int = 0
     """Requests ever charged here (a move takes one back): against the engine's own count of
     requests it has seen, it tells requests held in front of the engine from streams that
