@@ -12,12 +12,16 @@ simulator); hit rate = Σ hit tokens / Σ prompt tokens, the same ratio as
 - ``lru_hit_rate``: one LRU cache of ``capacity_blocks`` blocks, the ceiling for a router over
   replicas whose caches hold that many blocks together (all blocks of a request are touched or
   inserted after its lookup; in-flight pinning is ignored).
+
+And the TTFT floor (``ttft_floor``): each request's time to first token alone on an idle engine
+whose cache is the infinite one. No router can give a request less, on that engine, so a TTFT
+quantile of the floor bounds what any routing policy can reach at that quantile.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 Seqs = Sequence[tuple[int, Sequence[int]]]
 
@@ -51,3 +55,34 @@ def lru_hit_rate(seqs: Seqs, block_size: int, capacity_blocks: int | None) -> fl
         while capacity_blocks is not None and len(lru) > capacity_blocks:
             lru.popitem(last=False)
     return hit / total if total else 0.0
+
+
+def ttft_floor(
+    seqs: Seqs,
+    block_size: int,
+    step_time: Callable[[Sequence[tuple[int, int]]], float],
+    chunk_tokens: int,
+) -> list[float]:
+    """Per request, in send order, seconds: its prefill alone on an idle engine that holds every
+    block sent before it (the infinite cache of :func:`ideal_hit_rate`), in chunks of at most
+    ``chunk_tokens`` (the engine's ``max_num_batched_tokens``), each chunk one step of
+    ``step_time([(new tokens, context before them)])`` (``replica.sim.costmodel.Profile``'s); the
+    last chunk's step gives the first token. Queueing, other requests in the batch, a smaller
+    cache or a slower engine only add to it."""
+    assert block_size > 0 and chunk_tokens > 0, "block_size and chunk_tokens must be positive"
+    seen: set[int] = set()
+    out: list[float] = []
+    for n, hashes in seqs:
+        k = 0
+        for h in hashes[: _lookup_limit(n, block_size)]:
+            if h not in seen:
+                break
+            k += 1
+        seen.update(hashes)
+        done, t = k * block_size, 0.0
+        while done < n:
+            step = min(chunk_tokens, n - done)
+            t += step_time([(step, done)])
+            done += step
+        out.append(t)
+    return out

@@ -172,6 +172,12 @@ class Result:
     disagree: float = 0.0
     """Fraction of scrape instants at which the pickers did not all judge saturation alike."""
     unheard_max: int = 0
+    ttft_floor_p50: float = 0.0
+    """TTFT quantiles, seconds, of the floor (``bench.ceilings.ttft_floor``): each request alone on
+    an idle engine of the fleet's fastest profile with the infinite cache. No policy's TTFT
+    quantile can be below the floor's."""
+    ttft_floor_p90: float = 0.0
+    ttft_floor_p99: float = 0.0
     """Most picks one picker had made that one peer had not yet heard of, over the run."""
 
 
@@ -749,6 +755,15 @@ def simulate(
     q = statistics.quantiles(c.ttfts, n=100) if len(c.ttfts) >= 2 else [0.0] * 99
     qi = statistics.quantiles(c.itls, n=100) if len(c.itls) >= 2 else [0.0] * 99
     held = c.holder_counts()
+    profs = [prof] if isinstance(prof, Profile) else list(dict.fromkeys(prof))
+    chunk = (sched or SchedulerConfig()).max_num_batched_tokens
+    floors = [
+        min(per)
+        for per in zip(
+            *(ceilings.ttft_floor(c.sent, c.block_size, pr.step_time, chunk) for pr in profs), strict=True
+        )
+    ]
+    qf = statistics.quantiles(floors, n=100) if len(floors) >= 2 else [0.0] * 99
     return Result(
         policy,
         prefix_mode,
@@ -787,6 +802,9 @@ def simulate(
         tuple(n / c.samples for n in c.sat_counts) if c.samples else (),
         c.disagreements / c.samples if c.samples else 0.0,
         c.unheard_max,
+        qf[49],
+        qf[89],
+        qf[98],
     )
 
 
@@ -976,14 +994,14 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(
         f"{'policy':<14}{'FC':<4}{'prefix':<12}{'share':<16}{'agree':>6}{'hit rate':>9}{'ideal':>7}{'LRU':>7}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
-        f"{'req/s':>8}{'prompt tok/s':>13}{'computed/s':>11}{'holders p50':>12}{'p99':>5}{'errors':>7}{'shed':>6}{'wait p90':>9}{'wall s':>8}"
+        f"{'req/s':>8}{'prompt tok/s':>13}{'computed/s':>11}{'holders p50':>12}{'p99':>5}{'errors':>7}{'shed':>6}{'wait p90':>9}{'floor p90':>10}{'wall s':>8}"
     )
     for r in results:
         print(
             f"{r.policy:<14}{'on' if r.flow_control else 'off':<4}{r.prefix_mode:<12}{r.share or '-':<16}{r.agreement:>6.3f}{r.hit_rate:>9.3f}{r.ideal_hit_rate:>7.3f}{r.lru_hit_rate:>7.3f}"
             f"{r.ttft_p50:>10.3f}{r.ttft_p90:>9.3f}{r.ttft_p99:>9.3f}{r.throughput_rps:>8.2f}"
             f"{r.prompt_tokens_per_s:>13.0f}{r.computed_tokens_per_s:>11.0f}{r.holders_p50:>12.0f}{r.holders_p99:>5.0f}"
-            f"{r.errors:>7}{r.shed:>6}{r.queue_wait_p90:>9.3f}{r.wall_seconds:>8.1f}"
+            f"{r.errors:>7}{r.shed:>6}{r.queue_wait_p90:>9.3f}{r.ttft_floor_p90:>10.3f}{r.wall_seconds:>8.1f}"
         )
     for r in results:
         if r.flow_control and r.pickers > 1:
@@ -996,7 +1014,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"ideal: one infinite cache; LRU: one LRU cache of {r.lru_capacity_blocks:,} blocks "
             f"of {r.lru_capacity_blocks // max(1, r.replicas):,} per replica × {r.replicas} "
-            "(block size in tokens as the engines')"
+            "(block size in tokens as the engines'); floor: each request alone on an idle engine of "
+            "the fastest profile with the infinite cache, the least TTFT any policy can give it"
         )
     if a.json:
         with open(a.json, "w", encoding="utf-8") as fh:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import pathlib
 
+import pytest
+
 from bench import mooncake_trace as trace
 from bench.cluster import Cluster, main, scale_outputs, simulate
 from replica.sim import tokenizer
@@ -282,3 +284,42 @@ def test_output_scale_makes_a_decode_heavier_trace(tmp_path: pathlib.Path) -> No
     assert main(["--trace", path, "--replicas", "2", "--output-scale", "8", "--json", str(heavy)]) == 0
     a, b = (json.loads(f.read_text())[0] for f in (base, heavy))
     assert b["sim_seconds"] > a["sim_seconds"] and a["errors"] == b["errors"] == 0
+
+
+def test_the_ttft_floor_is_a_request_alone_on_an_idle_engine_with_every_block_cached(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Requests 1,000 s apart on one replica (each alone, nothing evicted): each TTFT is exactly
+    its floor, a cold 20,000-token prompt in three chunks of 8,192 and a repeat of it from the
+    cache alike. On a loaded fleet no request gets below its floor."""
+    from bench.ceilings import ttft_floor
+    from replica.sim.scheduler import SchedulerConfig
+
+    prof = profile("h100-llama-3.1-8b")
+    raw = [
+        {"timestamp": 0, "input_length": 20_000, "output_length": 2, "hash_ids": list(range(40))},
+        {
+            "timestamp": 1000,
+            "input_length": 12_000,
+            "output_length": 2,
+            "hash_ids": [*range(10), *range(100, 114)],
+        },
+        {"timestamp": 2000, "input_length": 20_000, "output_length": 2, "hash_ids": list(range(40))},
+    ]
+    c = Cluster(1, "cost", prof)
+    c.run(trace.read(write_trace(tmp_path / "t.jsonl", raw)))
+    floors = ttft_floor(c.sent, c.block_size, prof.step_time, SchedulerConfig().max_num_batched_tokens)
+    assert [r.ttft for r in c.records] == pytest.approx(floors, rel=1e-9)  # now - arrival
+    cold = prof.step_time([(8192, 0)]) + prof.step_time([(8192, 8192)]) + prof.step_time([(3616, 16384)])
+    assert floors[0] == cold and floors[2] < floors[1] < floors[0]
+
+    rows = trace.read("bench/data/mooncake_synthetic_trace.jsonl", 120)
+    loaded = Cluster(2, "cost", prof)
+    loaded.run(rows, 0.5)
+    floors = ttft_floor(
+        loaded.sent, loaded.block_size, prof.step_time, SchedulerConfig().max_num_batched_tokens
+    )
+    gaps = [r.ttft - f for r, f in zip(loaded.records, floors, strict=True)]
+    assert min(gaps) >= -1e-9 and max(gaps) > 0.1, (min(gaps), max(gaps))
+    res = simulate(rows[:60], 2, "cost", [prof, profile("a100-llama-3.1-8b")], 0.5)
+    assert 0 < res.ttft_floor_p90 <= res.ttft_p90
