@@ -21,13 +21,23 @@ quantile of the floor bounds what any routing policy can reach at that quantile.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 Seqs = Sequence[tuple[int, Sequence[int]]]
 
 
 def _lookup_limit(n_tokens: int, block_size: int) -> int:
     return (n_tokens - 1) // block_size
+
+
+def _cached_blocks(n_tokens: int, hashes: Sequence[int], block_size: int, cache: Container[int]) -> int:
+    """The request's leading blocks in ``cache``: at most all but the one with its last token."""
+    k = 0
+    for h in hashes[: _lookup_limit(n_tokens, block_size)]:
+        if h not in cache:
+            break
+        k += 1
+    return k
 
 
 def ideal_hit_rate(seqs: Seqs, block_size: int) -> float:
@@ -42,12 +52,7 @@ def lru_hit_rate(seqs: Seqs, block_size: int, capacity_blocks: int | None) -> fl
     lru: OrderedDict[int, None] = OrderedDict()
     hit = total = 0
     for n, hashes in seqs:
-        k = 0
-        for h in hashes[: _lookup_limit(n, block_size)]:
-            if h not in lru:
-                break
-            k += 1
-        hit += k * block_size
+        hit += _cached_blocks(n, hashes, block_size, lru) * block_size
         total += n
         for h in hashes:
             lru[h] = None
@@ -73,13 +78,8 @@ def ttft_floor(
     seen: set[int] = set()
     out: list[float] = []
     for n, hashes in seqs:
-        k = 0
-        for h in hashes[: _lookup_limit(n, block_size)]:
-            if h not in seen:
-                break
-            k += 1
+        done, t = _cached_blocks(n, hashes, block_size, seen) * block_size, 0.0
         seen.update(hashes)
-        done, t = k * block_size, 0.0
         while done < n:
             step = min(chunk_tokens, n - done)
             t += step_time([(step, done)])
