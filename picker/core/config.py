@@ -49,7 +49,8 @@ class IndexConfig:
     """Characters of prompt text per token, to turn text blocks into token counts (approximate mode)."""
     derive_capacity: bool = True
     """Size each endpoint's LRU from its scraped ``vllm:cache_config_info`` (block size × GPU
-    blocks) instead of ``capacity_blocks``."""
+    blocks, in hash blocks, times ``segments / (segments - 1)``: the LRU drops its oldest segment
+    whole, so it then always keeps at least the engine's KV) instead of ``capacity_blocks``."""
     max_derived_capacity_blocks: int = 1_000_000
     """Upper bound on a derived capacity, in hash blocks (about 88 MB of index per endpoint at
     ~88 B per entry): a replica reporting a huge ``num_gpu_blocks`` cannot make its LRU unbounded.

@@ -22,6 +22,7 @@ serving layer's (:mod:`picker.serving.tokenization`); the router reads a request
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -406,12 +407,21 @@ class Router:
 
     def refresh_capacity(self, state: EndpointState) -> None:
         """Size the endpoint's LRU from its ``vllm:cache_config_info`` (KV blocks × block tokens),
-        clamped to [``segments``, ``max_derived_capacity_blocks``]."""
+        clamped to [``segments``, ``max_derived_capacity_blocks``].
+
+        The segmented LRU (:mod:`picker.core.prefix.index`) is guaranteed to retain only the last
+        ``(segments - 1) / segments`` of its capacity (it drops its oldest segment whole), so it
+        is sized at the engine's KV in hash blocks times ``segments / (segments - 1)``: it then
+        always remembers at least as many blocks as the engine can hold. (Sized at the KV alone,
+        it forgot prefixes the engine still held: in cluster mode at 1.5 × capacity, a 31k-token
+        prefix cached on one replica for 20 s was missing from the index, and the request went
+        cold elsewhere: bench/results/2026-11-28-flow-control.md, issue 21.)"""
         m, icfg = state.metrics, self.cfg.index
         if not (icfg.derive_capacity and m.block_size and m.num_gpu_blocks):
             return
         tokens = m.block_size * m.num_gpu_blocks
-        blocks = int(tokens * icfg.chars_per_token / self.cfg.hashing.block_size)
+        kept = (icfg.segments - 1) / icfg.segments  # the part of its capacity the LRU always keeps
+        blocks = math.ceil(tokens * icfg.chars_per_token / self.cfg.hashing.block_size / kept)
         self.index.set_capacity(state.key, min(max(blocks, icfg.segments), icfg.max_derived_capacity_blocks))
 
     def explain(self, req: InferenceRequest, policy: str | None = None) -> dict[str, object]:

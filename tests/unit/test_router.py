@@ -144,7 +144,7 @@ def test_an_unreachable_endpoint_loses_its_approximate_entries_only() -> None:
     kept = router.index.size(up.key)
     router.on_unreachable(down)
     assert router.index.size(down.key) == 0 and router.index.size(up.key) == kept
-    assert router.index._lrus[down.key].capacity == 1000
+    assert router.index._lrus[down.key].capacity == 1334  # 1000 blocks of KV * 4/3 (refresh_capacity)
 
 
 def test_refresh_capacity_from_cache_config() -> None:
@@ -153,11 +153,13 @@ def test_refresh_capacity_from_cache_config() -> None:
     router.refresh_capacity(state)  # nothing scraped yet: default capacity stays
     state.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=1000)
     router.refresh_capacity(state)
-    # 16 tokens * 1000 blocks * 4 chars/token / 64 bytes per hash block = 1000 hash blocks
+    # 16 tokens * 1000 blocks * 4 chars/token / 64 bytes per hash block = 1000 hash blocks of KV,
+    # times segments / (segments - 1) = 4/3: the LRU always keeps at least the engine's 1000
     lru = router.index._lrus[state.key]
-    assert lru.capacity == 1000
+    assert lru.capacity == 1334
     router.index.record(state.key, list(range(5000)))
-    assert router.index.size(state.key) <= 1000
+    assert router.index.size(state.key) <= 1334
+    assert all(router.index.match(state.key, [h]) for h in range(4000, 5000)), "the last KV's worth is kept"
 
     off, pool2, _ = make(1, index=IndexConfig(derive_capacity=False))
     s2 = next(iter(pool2))
@@ -176,7 +178,7 @@ def test_derived_capacity_is_clamped_to_the_configured_maximum() -> None:
     assert router.index.size(state.key) <= 5000
     state.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=2000)  # 2000 blocks: under the cap
     router.refresh_capacity(state)
-    assert router.index._lrus[state.key].capacity == 2000
+    assert router.index._lrus[state.key].capacity == 2667  # 2000 * 4/3, rounded up
 
 
 def test_default_maximum_derived_capacity() -> None:
