@@ -412,10 +412,8 @@ class Router:
         The segmented LRU (:mod:`picker.core.prefix.index`) is guaranteed to retain only the last
         ``(segments - 1) / segments`` of its capacity (it drops its oldest segment whole), so it
         is sized at the engine's KV in hash blocks times ``segments / (segments - 1)``: it then
-        always remembers at least as many blocks as the engine can hold. (Sized at the KV alone,
-        it forgot prefixes the engine still held: in cluster mode at 1.5 × capacity, a 31k-token
-        prefix cached on one replica for 20 s was missing from the index, and the request went
-        cold elsewhere: bench/results/2026-11-28-flow-control.md, issue 21.)"""
+        always remembers at least as many blocks as the engine can hold, and at most
+        ``segments / (segments - 1)`` times as many (figures: bench/results/2026-11-28-scaling.md)."""
         m, icfg = state.metrics, self.cfg.index
         if not (icfg.derive_capacity and m.block_size and m.num_gpu_blocks):
             return
