@@ -74,10 +74,9 @@ Invariant: every ``start`` is matched by exactly one effective ``finish`` (later
 no-ops), so the in-flight counters return to zero when traffic stops; they are never negative.
 ``unseen_requests + finished_streams <= in_flight_requests``: :meth:`reconcile` splits our
 requests in flight at a scrape, and an ending request takes its share of that split with it at
-once (an open stream's first), not at the next scrape. Left until the scrape, a request that had
-just ended still counted as queued work on its endpoint: a client sending one prompt after
-another saw each prefix's holder priced a whole request dearer than it was, and on a slow
-machine lose the next request of that prefix (tests/vllm/test_e2e_routing.py failed in CI so).
+once (an open stream's first), not at the next scrape: a request that has ended is never queued
+work on its endpoint, so the next prompt of a client sending one after another sees the prefix's
+holder as it is.
 A ticket's pending prefill is released at most once (``Ticket.pending``).
 """
 
