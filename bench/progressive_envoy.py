@@ -18,8 +18,9 @@ processes' included (the body-parse worker that bodies of ``parse_offload_bytes`
 window from the first request sent to ``--tail`` seconds after the last answer (the work a pick
 leaves to the parse worker, such as a cold prompt's rest, counts), divided by the requests
 answered 200. The picker scrapes every endpoint's ``/metrics`` meanwhile (``scrape.interval_s``
-1 s here, 100 scrapes/s); its idle CPU rate, measured over ``--idle`` seconds before each
-window, is reported beside, and the net figure subtracts it over the window. The endpoint that
+``--scrape-interval``, 1 s by default: 100 scrapes/s); its idle CPU rate, measured over ``--idle``
+seconds before each window, is reported beside, and the net figure subtracts it over the window.
+A longer scrape interval makes that idle rate, and the noise its subtraction adds, smaller. The endpoint that
 served each request comes from Envoy's access log (``x-request-id`` kept): a conversation's
 turns and a document's questions should all land on one endpoint.
 
@@ -51,12 +52,12 @@ WORKLOADS = ("cold", "conversation", "document")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def picker_config(path: pathlib.Path, tok: pathlib.Path, kv_port: int) -> pathlib.Path:
+def picker_config(path: pathlib.Path, tok: pathlib.Path, kv_port: int, scrape_s: float = 1.0) -> pathlib.Path:
     """The picker's YAML: precise mode with the bench's tokenizer, long speculative entries, a
-    1 s scrape (fields the older tree knows too)."""
+    scrape every ``scrape_s`` seconds (fields the older tree knows too)."""
     doc = {
         "policy": "cost",
-        "scrape": {"interval_s": 1.0, "timeout_s": 1.0, "stale_after_s": 5.0},
+        "scrape": {"interval_s": scrape_s, "timeout_s": 1.0, "stale_after_s": 5.0 * scrape_s},
         "prefix": {
             "mode": "precise",
             "block_size": BS,
@@ -172,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle", type=float, default=2.0, help="seconds of idle CPU measured before each window")
     p.add_argument("--tail", type=float, default=1.0, help="seconds after the last answer counted")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--scrape-interval", type=float, default=1.0, help="the picker's scrape.interval_s, seconds"
+    )
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--compare", default="", help="another tree's root, its picker run side by side")
     p.add_argument("--tmp", default=str(pathlib.Path(tempfile.gettempdir()) / "kvpick-bench-progressive"))
@@ -188,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvpick-bench-penvoy-") as tmp:
         procs = Procs(pathlib.Path(tmp))
         st = Stack(procs, [free_port() for _ in range(args.endpoints)])
-        cfg = picker_config(pathlib.Path(tmp) / "picker.yaml", tok, free_port())
+        cfg = picker_config(pathlib.Path(tmp) / "picker.yaml", tok, free_port(), args.scrape_interval)
         try:
             st.start_upstreams("--fixed")
             st.start_picker("--config-file", str(cfg), "--tokenizer", str(tok), debug=False)

@@ -42,6 +42,13 @@ log = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Larger messages are refused by ZMQ (a gap follows): memory stays bounded whatever a peer sends."""
+RECONNECT_IVL_MAX_MS = 1000
+"""Longest wait between two connection attempts to a publisher that is not there, in ms: ZMQ
+doubles its 100 ms reconnect interval up to this, instead of retrying every 100 ms for ever.
+An endpoint that publishes no events (no ``--kv-events-config``, a replica still loading)
+then costs one TCP connect a second, not ten (with 100 such endpoints the ZMQ I/O thread took
+0.047 of a core idle; bench/results/2026-11-28-parity.md), and a publisher that comes (back) up
+is connected to within a second."""
 
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
 _REMOVED_FIELDS = ("block_hashes", "medium")
@@ -392,6 +399,7 @@ class Subscriber:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         sock.connect(self.pub_url)
         self._drain = Drain(sock, self._take_frames, inbox=self.inbox)

@@ -258,7 +258,7 @@ async def test_replica_restart_is_detected_and_the_index_restarts(tmp_path: path
         assert sub.index.size(KEY) > 0
         s.procs.stop("sim")
         s.start()
-        await asyncio.sleep(1.0)  # ZMQ reconnects the SUB socket
+        await asyncio.sleep(2.0)  # ZMQ reconnects the SUB socket (within RECONNECT_IVL_MAX_MS)
         replay = Replay(24)
         prompt, n, _, _ = WORKLOAD[0]
         await s.complete(prompt, n)
