@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import cast
 
@@ -14,9 +13,8 @@ import zmq
 import zmq.asyncio
 
 from kvlaunch import free_port
-from picker.core.prefix.precise import PreciseIndex
 from picker.feeds import events
-from picker.feeds.events import Subscriber
+from tests.support.events import subscriber
 
 pytestmark = pytest.mark.precise
 
@@ -24,10 +22,7 @@ pytestmark = pytest.mark.precise
 async def retries_over(seconds: float) -> int:
     """Connection attempts a subscriber makes in ``seconds`` to a loopback port nobody listens on,
     counted by a ZMQ monitor on its socket (``EVENT_CONNECT_RETRIED``)."""
-    ctx = zmq.asyncio.Context()
-    sub = Subscriber("k", PreciseIndex(), f"tcp://127.0.0.1:{free_port()}", None, "", 30.0, ctx)
-    task = asyncio.create_task(sub.run())
-    try:
+    async with subscriber("k", free_port(), None) as sub:
         while sub._drain is None:
             await asyncio.sleep(0.001)
         # a socket of the subscriber's context, so an asyncio one whatever the stubs say
@@ -39,11 +34,6 @@ async def retries_over(seconds: float) -> int:
             n += 1
         mon.close(linger=0)
         return n
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        ctx.term()
 
 
 async def test_reconnects_to_an_absent_publisher_back_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,34 +49,29 @@ async def test_reconnects_to_an_absent_publisher_back_off(monkeypatch: pytest.Mo
 
 async def test_a_publisher_that_comes_up_late_is_connected_within_the_cap() -> None:
     """The subscriber has been retrying for 3 s (its interval at the 1 s cap) when the publisher
-    binds; a batch published 1.5 s later (the cap, plus the handshake) reaches the index."""
+    binds; a batch published the cap plus 0.5 s later (the handshake) reaches it."""
     port = free_port()
     ctx = zmq.asyncio.Context()
-    index = PreciseIndex()
-    sub = Subscriber("k", index, f"tcp://127.0.0.1:{port}", None, "", 30.0, ctx)
-    task = asyncio.create_task(sub.run())
     pub = ctx.socket(zmq.PUB)
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": list(range(16)),
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+    }
     try:
-        await asyncio.sleep(3.0)
-        pub.bind(f"tcp://127.0.0.1:{port}")
-        await asyncio.sleep(events.RECONNECT_IVL_MAX_MS / 1000 + 0.5)
-        stored = {
-            "type": "BlockStored",
-            "block_hashes": [1],
-            "parent_block_hash": None,
-            "token_ids": list(range(16)),
-            "block_size": 16,
-            "lora_id": None,
-            "medium": "GPU",
-        }
-        await pub.send_multipart([b"", (0).to_bytes(8, "big"), msgpack.packb([time.time(), [stored]])])
-        deadline = time.monotonic() + 5.0
-        while sub.sync.expected != 1:
-            assert time.monotonic() < deadline, "the batch never arrived: the subscriber is not connected"
-            await asyncio.sleep(0.02)
+        async with subscriber("k", port, None) as sub:
+            await asyncio.sleep(3.0)
+            pub.bind(f"tcp://127.0.0.1:{port}")
+            await asyncio.sleep(events.RECONNECT_IVL_MAX_MS / 1000 + 0.5)
+            await pub.send_multipart([b"", (0).to_bytes(8, "big"), msgpack.packb([time.time(), [stored]])])
+            deadline = time.monotonic() + 5.0
+            while sub.sync.expected != 1:
+                assert time.monotonic() < deadline, "the batch never arrived: the subscriber is not connected"
+                await asyncio.sleep(0.02)
     finally:
         pub.close(linger=0)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         ctx.term()
