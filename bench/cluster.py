@@ -172,13 +172,13 @@ class Result:
     disagree: float = 0.0
     """Fraction of scrape instants at which the pickers did not all judge saturation alike."""
     unheard_max: int = 0
+    """Most picks one picker had made that one peer had not yet heard of, over the run."""
     ttft_floor_p50: float = 0.0
     """TTFT quantiles, seconds, of the floor (``bench.ceilings.ttft_floor``): each request alone on
     an idle engine of the fleet's fastest profile with the infinite cache. No policy's TTFT
     quantile can be below the floor's."""
     ttft_floor_p90: float = 0.0
     ttft_floor_p99: float = 0.0
-    """Most picks one picker had made that one peer had not yet heard of, over the run."""
 
 
 class Cluster:
