@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from picker.core.prefix.hashing import MASK60, HashConfig, block_hashes, seed_for
@@ -97,86 +97,113 @@ def _naive_match(lru: EndpointLRU, hashes: list[int]) -> int:
     return n
 
 
-@settings(max_examples=300)
-@given(
-    st.integers(6, 60),
-    st.integers(2, 6),
-    st.lists(
-        st.tuples(st.sampled_from(["record", "discard", "match"]), st.lists(st.integers(0, 40), max_size=50))
-    ),
-)
-def test_match_equals_a_block_by_block_walk(
-    capacity: int, segments: int, steps: list[tuple[str, list[int]]]
-) -> None:
-    """``match`` finds what a walk over every block and every segment finds, whatever records and
-    discards came before."""
-    capacity = max(capacity, segments)
-    lru, plain = EndpointLRU(capacity, segments), EndpointLRU(capacity, segments)
-    for op, hashes in steps:
-        if op == "match":
-            assert lru.match(hashes) == _naive_match(plain, hashes)
-            assert lru.match(hashes) == plain.match(list(hashes))
-        else:
-            getattr(lru, op)(hashes)
-            getattr(plain, op)(list(hashes))
-        assert [list(g) for g in lru.gens] == [list(g) for g in plain.gens]
+def _full_record(lru: EndpointLRU, hashes: list[int]) -> None:
+    """``EndpointLRU.record`` without its early stop: every block of the path, deepest first."""
+    gens = lru.gens
+    for h in reversed(hashes):
+        if h in gens[-1]:
+            continue
+        for g in gens[-2::-1]:
+            if g.pop(h, 0) is None:
+                break
+        gens[-1][h] = None
+        if len(gens[-1]) >= lru.seg_cap:
+            gens.pop(0)
+            gens.append({})
 
 
-def test_match_across_alternating_segments() -> None:
-    """A prompt whose blocks alternate between two segments is matched whole."""
-    lru = EndpointLRU(40, 2)  # two segments of 20
-    lru.record(list(range(0, 20, 2)) + list(range(100, 110)))  # the evens, then fillers: full
-    lru.record(list(range(1, 20, 2)))  # the odds open a new segment
-    assert [sorted(g)[:3] for g in lru.gens] == [[0, 2, 4], [1, 3, 5]]
-    assert lru.match(list(range(20))) == _naive_match(lru, list(range(20))) == 20
-    assert lru.match([*range(20), 999, 0]) == 20
+class _Tree:
+    """Paths of chained hashes: a path is a list of branch choices, and block ``i``'s hash names
+    the choices ``0..i`` (as :func:`block_hashes` names a text's first ``i + 1`` blocks)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple[int, ...], int] = {}
+
+    def path(self, choices: list[int]) -> list[int]:
+        return [self.ids.setdefault(tuple(choices[: i + 1]), len(self.ids)) for i in range(len(choices))]
 
 
-chains = st.lists(st.integers(0, 60), max_size=30)
-between = st.lists(
-    st.one_of(
-        st.tuples(st.just("record"), chains),
-        st.tuples(st.just("discard"), chains),
-        st.tuples(st.just("resize"), st.integers(1, 80)),
-        st.tuples(st.just("match"), chains),
-    ),
-    max_size=3,
-)
+def _closed(lru: EndpointLRU, tree: _Tree) -> bool:
+    """Closure (index.py's docstring): every held block's parent is held in the same segment or
+    a newer one."""
+    seg = {h: i for i, g in enumerate(lru.gens) for h in g}
+    return all(
+        seg.get(tree.ids[k[:-1]], -1) >= seg[h] for k, h in tree.ids.items() if len(k) > 1 and h in seg
+    )
+
+
+paths = st.lists(st.integers(0, 2), max_size=30)  # few branches: paths share long prefixes
 
 
 @settings(max_examples=400)
-@given(st.integers(2, 60), st.integers(2, 5), st.lists(st.tuples(chains, between), max_size=25))
-@example(8, 2, [([1, 2, 3], []), ([1, 2, 3], [("record", [10, 11])])])  # a roll in between
-@example(8, 2, [([1, 2, 3], []), ([1, 2, 3], [("discard", [2])])])
-@example(8, 2, [([1, 2, 3], []), ([1, 2, 3], [("resize", 12)])])
-def test_record_after_match_equals_a_plain_record(
-    capacity: int, segments: int, picks: list[tuple[list[int], list[tuple[str, object]]]]
+@given(
+    st.integers(2, 60),
+    st.integers(2, 5),
+    st.lists(st.tuples(st.sampled_from(["record", "match"]), paths), max_size=60),
+)
+def test_paths_stay_closed_and_match_equals_a_block_by_block_walk(
+    capacity: int, segments: int, steps: list[tuple[str, list[int]]]
 ) -> None:
-    """A record that skips the blocks its match found in the newest segment leaves the LRU exactly
-    as a record that walks them all: same blocks, same segments, same order, whatever happened
-    between the match and the record (other records, rolls, discards, resizes, other matches)."""
+    """Whatever paths were recorded (and however the segments rolled in the middle of one),
+    every held block's prefix is held, ``match`` (a binary search per segment) finds what a walk
+    over every block and every segment finds, ``match_many`` agrees with it, and the record that
+    stops at the first block in the newest segment leaves the LRU as a full walk does."""
     capacity = max(capacity, segments)
-    skipping, plain = EndpointLRU(capacity, segments), EndpointLRU(capacity, segments)
-    for hashes, ops_between in picks:
-        assert skipping.match(hashes) == plain.match(list(hashes))
-        for op, arg in ops_between:
-            for lru in (skipping, plain):
-                if op == "resize":
-                    assert isinstance(arg, int)
-                    lru.resize(arg)
-                else:
-                    assert isinstance(arg, list)
-                    getattr(lru, op)(list(arg))  # a different list: never the matched one
-        skipping.record(hashes)
-        plain.record(list(hashes))  # a copy: nothing to skip
-        assert [list(g) for g in skipping.gens] == [list(g) for g in plain.gens]
+    tree = _Tree()
+    lru, full = EndpointLRU(capacity, segments), EndpointLRU(capacity, segments)
+    idx = PrefixIndex(capacity, segments)
+    for op, choices in steps:
+        hashes = tree.path(choices)
+        if op == "match":
+            n = _naive_match(lru, hashes)
+            assert lru.match(hashes) == n
+            assert idx.match_many(["e", "other"], hashes) == {"e": n, "other": 0}
+        else:
+            lru.record(hashes)
+            _full_record(full, hashes)
+            idx.record("e", hashes)
+            assert _closed(lru, tree)
+            assert [list(g) for g in lru.gens] == [list(g) for g in full.gens]
+            assert lru.match(hashes) == len(hashes) or len(hashes) > (segments - 1) * lru.seg_cap
+
+
+@settings(max_examples=200)
+@given(st.integers(4, 60), st.lists(paths, max_size=20), st.integers(1, 80), paths)
+def test_a_record_after_a_resize_closes_its_path(
+    capacity: int, before: list[list[int]], new_capacity: int, choices: list[int]
+) -> None:
+    """A resize can split a path between segments; the next record of a path holds it whole
+    (the newest segment is empty after a resize, so the record walks down to the root)."""
+    tree = _Tree()
+    lru = EndpointLRU(capacity, 4)
+    for c in before:
+        lru.record(tree.path(c))
+    lru.resize(new_capacity)
+    hashes = tree.path(choices)
+    lru.record(hashes)
+    if len(hashes) < lru.seg_cap:  # a path longer than a segment rolls while it is recorded
+        assert lru.match(hashes) == _naive_match(lru, hashes) == len(hashes)
+
+
+def test_a_path_across_two_segments_is_matched_whole() -> None:
+    """A path recorded as the newest segment fills: its deepest blocks land in the older
+    segment, its head in the newest, and it is matched whole; the head outlives the tail."""
+    lru = EndpointLRU(40, 2)  # two segments of 20
+    lru.record(list(range(100, 110)))  # ten fillers
+    path = list(range(20))
+    lru.record(path)  # 19..10 fill the newest segment, which rolls; 9..0 open the next
+    assert sorted(lru.gens[0])[:3] == [10, 11, 12] and sorted(lru.gens[1]) == list(range(10))
+    assert lru.match(path) == _naive_match(lru, path) == 20
+    assert lru.match([*path, 999]) == 20
+    lru.record(list(range(200, 220)))  # rolls: the tail's segment goes, the head stays
+    assert lru.match(path) == 10
 
 
 @settings(max_examples=200)
 @given(st.integers(4, 100), st.integers(2, 4), st.lists(st.integers(0, 10_000), max_size=300))
 def test_lru_keeps_the_most_recent(capacity: int, segments: int, stream: list[int]) -> None:
     """With refreshes, the most recent ``seg_cap`` distinct blocks survive; with distinct blocks
-    only, the most recent ``(segments - 1) * seg_cap`` do."""
+    only, the most recent ``(segments - 1) * seg_cap`` do (a path's head is recorded last)."""
     seg_cap = capacity // segments
     lru = EndpointLRU(capacity, segments)
     for h in stream:
@@ -186,7 +213,7 @@ def test_lru_keeps_the_most_recent(capacity: int, segments: int, stream: list[in
     fresh = EndpointLRU(capacity, segments)
     distinct = list(dict.fromkeys(stream))
     fresh.record(distinct)
-    assert all(h in fresh for h in distinct[::-1][: (segments - 1) * seg_cap])
+    assert all(h in fresh for h in distinct[: (segments - 1) * seg_cap])
 
 
 @settings(max_examples=200)
@@ -245,17 +272,20 @@ def test_match_length_monotone_in_shared_prefix(text: str, block_size: int) -> N
 
 def test_match_stops_at_first_miss() -> None:
     lru = EndpointLRU(100)
-    lru.record([1, 2, 3, 5])
+    lru.record([1, 2, 3])
     assert lru.match([1, 2, 3, 4, 5]) == 3
-    assert lru.match([9, 1, 2]) == 0
+    assert lru.match([1, 2]) == 2
+    assert lru.match([9, 10]) == 0
     assert lru.match([]) == 0
 
 
 def test_refresh_moves_a_block_to_the_newest_segment() -> None:
     lru = EndpointLRU(8, segments=4)  # two blocks per segment
-    lru.record([1, 2, 3, 4, 5, 6])
+    for h in [1, 2, 3, 4, 5, 6]:
+        lru.record([h])
     lru.record([1])  # refresh the oldest
-    lru.record([7, 8, 9, 10])
+    for h in [7, 8, 9, 10]:
+        lru.record([h])
     assert 1 in lru and 2 not in lru and 3 not in lru
 
 
@@ -267,13 +297,14 @@ def test_lru_rejects_bad_shapes(capacity: int, segments: int) -> None:
 
 def test_resize_keeps_the_newest_blocks() -> None:
     lru = EndpointLRU(100, segments=4)
-    lru.record(range(1, 101))
+    for h in range(1, 101):
+        lru.record([h])
     lru.resize(40)  # seg_cap 10: three full old segments fit
     assert len(lru) == 30 and all(h in lru for h in range(71, 101))
     lru.record(range(200, 260))
     assert len(lru) <= 40
     lru.resize(400)
-    assert lru.capacity == 400 and all(h in lru for h in range(230, 260)), "growing keeps everything"
+    assert lru.capacity == 400 and all(h in lru for h in range(200, 230)), "growing keeps everything"
 
 
 # ---- the hash memo -------------------------------------------------------------------------------

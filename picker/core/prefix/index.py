@@ -1,47 +1,53 @@
 """Approximate prefix index: which endpoint has recently been sent which blocks.
 
-Each endpoint has a bounded, segmented LRU of block hashes:
+Each endpoint has a bounded, segmented LRU of block hashes (:class:`EndpointLRU`):
 
-- ``gens`` is a list of ``segments`` dicts, newest last. A recorded or matched block is moved
-  into the newest segment. When the newest segment holds ``capacity // segments`` blocks, the
-  oldest segment is dropped whole and a new one is opened.
+- ``gens`` is a list of ``segments`` dicts, newest last. A recorded block is moved into the
+  newest segment. When the newest segment holds ``capacity // segments`` blocks, the oldest
+  segment is dropped whole and a new one is opened.
 - Invariant (asserted): an endpoint never holds more than ``capacity`` blocks. Every block put
   into the newest segment by the last ``(segments - 1) * seg_cap`` insertions is retained (moving
   a block up from an older segment counts as an insertion): exact LRU at segment granularity.
   With no refreshes that is the most recent ``(segments - 1) * seg_cap`` distinct blocks; with
   refreshes, never fewer than the most recent ``seg_cap``.
-- Why not ``OrderedDict``: measured 141 B per entry against about 88 B for a plain dict with
-  60-bit int keys; ``python -m bench.picker`` reports the index's bytes per entry.
+- Why dicts made afresh and dropped whole: measured 141 B per entry for an ``OrderedDict``, and
+  about 136 B for one dict of block -> segment under churn (deleted slots keep it at twice the
+  size), against about 70 B here with 60-bit int keys; ``python -m bench.picker`` reports the
+  index's bytes per entry.
 
-Lookups walk the chained hashes from the first block and stop at the first miss, so a match
-length ``k`` means "the first ``k`` blocks were sent to this endpoint".
+**Closure.** The hashes are chained (:mod:`picker.core.prefix.hashing`): block ``i``'s hash names
+its whole prefix, so a recorded list is always a path from a root. ``record`` inserts a path
+deepest block first, so every block's parent sits in the same segment as the block or a newer
+one: along a path the segments never get newer. The LRU therefore loses a path's tail before its
+head, as vLLM's prefix cache does (it evicts a freed sequence's last blocks first), and a block
+held means its whole prefix is held. Lookups rely on that. ``match`` takes the segments newest
+first; where the path's next block is in one, the run of blocks there is found by binary search
+(``bisect`` over the reversed path, in C): a handful of membership tests per holder instead of
+one per block. ``record`` stops at the first block it finds in the newest segment (its ancestors
+are there too). Two rare operations can break closure for a path: ``resize`` re-cuts the
+segments (a path's head can land in an older one than its tail), and ``discard`` takes a pick's
+new blocks back while a later pick through them still holds deeper ones. ``match`` then returns
+the edge of a held run, possibly past the gap, until the path is recorded again (after a resize
+the first record heals it: the newest segment is empty then) or evicted.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
-from itertools import islice
 
 
 class EndpointLRU:
-    """One endpoint's segmented LRU (the module docstring).
+    """One endpoint's segmented LRU (the module docstring). Writer: the router that owns the
+    :class:`PrefixIndex` (its picks, a peer's picks, recredits); one thread."""
 
-    ``record`` right after ``match`` of the same hash list (the pick, then its record) skips the
-    blocks ``match`` found leading in the newest segment: refreshing them would change nothing.
-    Every change to the LRU in between (a record, a discard, a resize) drops what ``match`` saw,
-    so the skip applies only where nothing can have taken a block out of the newest segment."""
-
-    __slots__ = ("_fresh", "capacity", "gens", "seg_cap")
+    __slots__ = ("capacity", "gens", "seg_cap")
 
     def __init__(self, capacity: int, segments: int = 4) -> None:
         assert capacity >= segments >= 2, f"need capacity >= segments >= 2, got {capacity}, {segments}"
         self.capacity = capacity
         self.seg_cap = capacity // segments
         self.gens: list[dict[int, None]] = [{} for _ in range(segments)]
-        self._fresh: tuple[Sequence[int], int] | None = None
-        """``(hashes, n)``: the last ``match`` found ``hashes[:n]`` in the newest segment, and the
-        LRU has not changed since. The list is held (not its id: a freed list's id is reused)
-        until the next match or change here: one list per endpoint at most."""
 
     def __len__(self) -> int:
         return sum(len(g) for g in self.gens)
@@ -50,38 +56,33 @@ class EndpointLRU:
         return any(h in g for g in reversed(self.gens))
 
     def match(self, hashes: Sequence[int]) -> int:
-        """Number of leading ``hashes`` present (stops at the first miss).
+        """Number of leading ``hashes`` held (closure, module docstring: the first ``n`` blocks
+        are held and block ``n`` is not)."""
+        return self.depth(hashes, hashes[::-1])
 
-        Hot path (once per endpoint per request): the newest segment is probed first, and the
-        older ones with a plain loop rather than a generator, so a miss costs a few lookups."""
-        gens = self.gens
-        newest = gens[-1]
-        older = gens[-2::-1]
-        n, fresh = 0, -1
-        for h in hashes:
-            if h not in newest:
-                if fresh < 0:
-                    fresh = n
-                for g in older:
-                    if h in g:
-                        break
-                else:
-                    break
-            n += 1
-        self._fresh = (hashes, n if fresh < 0 else fresh)
-        return n
+    def depth(self, hashes: Sequence[int], rev: Sequence[int]) -> int:
+        """:meth:`match`, given ``rev = hashes[::-1]`` (made once per request by
+        :meth:`PrefixIndex.match_many`). Hot path: once per holder per request.
+
+        ``d`` blocks found so far; each segment, newest first, holds either nothing more of the
+        path (block ``d`` is not in it: one test) or a run from ``d`` on, whose end the bisect
+        finds: in ``rev[:n - d]`` the blocks in the segment are a suffix."""
+        n, d = len(hashes), 0
+        for g in reversed(self.gens):
+            if d < n and hashes[d] in g:
+                d = n - bisect_left(rev, True, 0, n - d, key=g.__contains__)
+        return d
 
     def record(self, hashes: Sequence[int]) -> None:
-        """Insert or refresh ``hashes`` as most recently used. The leading blocks the last
-        ``match`` of this same list found in the newest segment are skipped, if the LRU has not
-        changed since (the class docstring)."""
-        fresh, self._fresh = self._fresh, None
-        skip = fresh[1] if fresh is not None and fresh[0] is hashes else 0
+        """Insert or refresh the path ``hashes`` as most recently used, deepest block first
+        (closure). Stops at the first block already in the newest segment: by closure its
+        ancestors are there too, so a repeated prompt costs one lookup."""
         gens, seg_cap = self.gens, self.seg_cap
         newest, older = gens[-1], gens[-2::-1]  # a refreshed block is likeliest in the newer ones
-        for h in islice(hashes, skip, None) if skip else hashes:
+        for i in range(len(hashes) - 1, -1, -1):
+            h = hashes[i]
             if h in newest:
-                continue
+                break
             for g in older:
                 if g.pop(h, 0) is None:  # stored values are None; 0 means absent
                     break
@@ -94,8 +95,8 @@ class EndpointLRU:
         assert len(self) <= self.capacity, f"LRU holds {len(self)} blocks > capacity {self.capacity}"
 
     def discard(self, hashes: Iterable[int]) -> None:
-        """Forget ``hashes`` (a pick credited here that another endpoint served)."""
-        self._fresh = None
+        """Forget ``hashes`` (a pick credited here that another endpoint served: the blocks it
+        added, a path's tail, so closure holds unless a later pick went through them)."""
         for h in hashes:
             for g in self.gens:
                 if g.pop(h, 0) is None:
@@ -104,9 +105,9 @@ class EndpointLRU:
     def resize(self, capacity: int) -> None:
         """Change the capacity. Keeps the most recent blocks that fit in ``segments - 1`` segments
         of the new size, re-cut oldest first, with an empty newest segment: every old segment then
-        holds at most ``seg_cap`` blocks, so later inserts cannot overshoot the bound."""
+        holds at most ``seg_cap`` blocks, so later inserts cannot overshoot the bound. (The cut
+        can split a path: module docstring, closure.)"""
         segments = len(self.gens)
-        self._fresh = None
         self.capacity = max(capacity, segments)
         self.seg_cap = seg_cap = self.capacity // segments
         kept = [h for g in self.gens for h in g]  # oldest first
@@ -129,24 +130,24 @@ class PrefixIndex:
         return lru.match(hashes) if lru is not None else 0
 
     def match_many(self, keys: Iterable[str], hashes: Sequence[int]) -> dict[str, int]:
-        """``{key: match(key, hashes)}`` for every key. Most endpoints miss on the first block,
-        so that probe is done inline before the full walk."""
-        if not hashes:
+        """``{key: match(key, hashes)}`` for every key: :meth:`EndpointLRU.depth` inlined (it
+        runs for every candidate of every request), with the reversed list it searches made once
+        for all of them. Most endpoints hold no block of the path, which costs one test per
+        segment."""
+        n = len(hashes)
+        if not n:
             return dict.fromkeys(keys, 0)
-        first = hashes[0]
+        rev = hashes[::-1]
         lrus = self._lrus
         out: dict[str, int] = {}
         for key in keys:
             lru = lrus.get(key)
-            if lru is None:
-                out[key] = 0
-                continue
-            for g in lru.gens:
-                if first in g:
-                    out[key] = lru.match(hashes)
-                    break
-            else:
-                out[key] = 0
+            d = 0
+            if lru is not None:
+                for g in reversed(lru.gens):
+                    if d < n and hashes[d] in g:
+                        d = n - bisect_left(rev, True, 0, n - d, key=g.__contains__)
+            out[key] = d
         return out
 
     def record(self, key: str, hashes: Sequence[int]) -> None:
