@@ -14,7 +14,9 @@ in the time one 2-core machine runs a few rows.
 ``bench.cluster``'s arguments (or ``-m MODULE ARGS``: another bench that takes ``--json``,
 e.g. ``bench.flow``). A ``{trace:N}`` in ``ARGS`` names ``OUT/traces/`` (made by a
 ``@trace N ARGS...`` line before the jobs: ``bench.mktrace ARGS -o OUT/traces/N``, run once with
-this checkout).
+this checkout), and ``{root}`` this checkout's root, so that a job of any tree can read the
+checkout's files (``--trace {root}/bench/data/mooncake_synthetic_trace.jsonl``). ``python -m
+bench.hardware --jobs`` writes the hardware table's rows as jobs.
 
 Jobs start in file order, at most ``--procs`` at a time (default: every CPU), each as its own
 ``python -m bench.cluster`` with ``TREE`` first on ``PYTHONPATH``. At ``--budget`` seconds from
@@ -70,7 +72,9 @@ def parse(text: str, out: pathlib.Path) -> tuple[list[list[str]], list[Job]]:
         if not line:
             continue
         words = shlex.split(line)
-        words = [TRACE.sub(lambda m: str(out / "traces" / m[1]), w) for w in words]
+        words = [
+            TRACE.sub(lambda m: str(out / "traces" / m[1]), w).replace("{root}", str(ROOT)) for w in words
+        ]
         if words[0] == "@trace":
             if len(words) < 3:
                 raise SystemExit(f"jobs line {n}: @trace NAME ARGS...")

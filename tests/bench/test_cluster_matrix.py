@@ -57,3 +57,36 @@ def test_jobs_match_a_plain_run_and_every_job_is_accounted_for(tmp_path: pathlib
         assert mine[key] == theirs[key], key
     table = (out / "matrix.md").read_text()
     assert "| hs | done | cost |" in table and "| long | killed |" in table
+
+
+def test_the_hardware_tables_jobs_run_its_cells(tmp_path: pathlib.Path) -> None:
+    """``bench.hardware --jobs`` names every cost cell once per seed and tree, with the fleet's own
+    profiles, time scale and row limit; ``{root}`` resolves to the checkout; and a job runs what
+    ``bench.hardware.run`` simulates for that cell (the overloaded fleet, cut to 30 rows here)."""
+    from bench import hardware
+    from bench import mooncake_trace as trace
+    from bench.cluster import simulate
+    from replica.sim.costmodel import profile
+
+    fleets = [*hardware.FLEETS, hardware.OVERLOADED]
+    trace_arg = "{root}/bench/data/mooncake_synthetic_trace.jsonl"
+    lines = hardware.jobs(fleets, ["new=.", "base"], 2, ["approximate", "precise"], trace_arg)
+    assert len(lines) == len({ln.split()[0] for ln in lines}) == len(fleets) * 2 * 2 * 2
+    over = [ln for ln in lines if ln.startswith("overloaded-approximate-s0-new ")]
+    assert len(over) == 1 and " --limit 1500 " in over[0] and over[0].split()[1] == "."
+    assert any(" --profile h100-llama-3.1-8b,a100-llama-3.1-8b --time-scale 1.4 " in ln for ln in lines)
+    jobs = tmp_path / "jobs"
+    jobs.write_text(over[0] + " --limit 30\n")  # the last --limit wins
+    out = tmp_path / "out"
+    cluster_matrix.main(["--jobs", str(jobs), "--out", str(out), "--procs", "1", "--budget", "120"])
+    (got,) = json.loads((out / "matrix.json").read_text())
+    assert got["status"] == "done" and got["rc"] == 0, got
+    rows = trace.read(trace.DEFAULT_TRACE)[:30]
+    f = hardware.OVERLOADED
+    want = simulate(
+        rows, 8, "cost", [profile(p) for p in f.profiles], f.time_scale,
+        prefix_mode="approximate", event_delay_s=hardware.EVENT_DELAY_S,
+    )  # fmt: skip
+    mine = got["results"][0]
+    for key in ("hit_rate", "ttft_p50", "ttft_p90", "ttft_p99", "requests"):
+        assert mine[key] == getattr(want, key), key
