@@ -147,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_overload:
         fleets.append(OVERLOADED)
     if a.jobs is not None:
-        default = a.trace == str(trace.DEFAULT_TRACE)
-        trace_arg = "{root}/bench/data/mooncake_synthetic_trace.jsonl" if default else a.trace
+        root = pathlib.Path(__file__).resolve().parents[1]  # the checkout: cluster_matrix's {root}
+        ours = pathlib.Path(a.trace).resolve()
+        trace_arg = f"{{root}}/{ours.relative_to(root)}" if ours.is_relative_to(root) else str(ours)
         trees = [t for t in a.jobs.split(",") if t]
         print("\n".join(jobs(fleets, trees, a.seeds, a.modes.split(","), trace_arg)))
         return 0
